@@ -1,0 +1,155 @@
+"""The rollout buffer: finished groups waiting for the learner, bounded by tokens.
+
+Every sample carries its adapter and the version that generated it. Staleness is decided when
+the learner takes a group (that is when the lag is known): groups more than `max_staleness`
+versions behind are dropped, or admitted for importance correction (`is-correct`). Every drop
+and every stale admission is counted. One queue per adapter; the token bound is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainSample:
+    adapter: str
+    version: int  # adapter version that generated every token
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # behaviour logprobs from vLLM, one per completion token
+    reward: float
+    advantage: float = 0.0
+    finish_reason: str = "stop"
+    policy_lag: int = 0  # learner version at training time minus `version` (set on take)
+    stale: bool = False  # older than max_staleness, admitted for importance correction
+
+    @property
+    def tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class Group:
+    """All samples for one prompt, generated together by one adapter version."""
+
+    adapter: str
+    version: int
+    problem_index: int
+    samples: list[TrainSample]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.samples)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def informative(self) -> bool:
+        """False when every sample has the same reward: the group-normalised advantage is 0."""
+        return any(s.advantage != 0.0 for s in self.samples)
+
+
+def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    """GRPO advantage: reward minus the group mean, over the group std (0 when all are equal)."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    var = sum((r - mean) ** 2 for r in rewards) / n
+    std = var**0.5
+    if std < eps:
+        return [0.0] * n
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+@dataclass
+class BufferCounters:
+    groups_in: int = 0
+    samples_in: int = 0
+    groups_out: int = 0
+    dropped_stale: int = 0  # samples
+    admitted_stale: int = 0  # samples kept under `is-correct`
+    per_adapter_dropped: dict[str, int] = field(default_factory=dict)
+
+
+class RolloutBuffer:
+    def __init__(self, max_tokens: int, max_staleness: int, stale_policy: str) -> None:
+        if stale_policy not in ("drop", "is-correct"):
+            raise ValueError(f"unknown stale policy {stale_policy!r}")
+        self.max_tokens = max_tokens
+        self.max_staleness = max_staleness
+        self.stale_policy = stale_policy
+        self.counters = BufferCounters()
+        self._queues: dict[str, deque[Group]] = {}
+        self._tokens = 0
+        self._changed = asyncio.Condition()
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def groups(self, adapter: str | None = None) -> int:
+        if adapter is not None:
+            return len(self._queues.get(adapter, ()))
+        return sum(len(q) for q in self._queues.values())
+
+    def fits(self, group: Group) -> bool:
+        # An empty buffer takes any group, so one oversized group cannot deadlock the run.
+        return self._tokens == 0 or self._tokens + group.tokens <= self.max_tokens
+
+    async def put(self, group: Group) -> None:
+        """Add a finished group; waits while the token bound is reached."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.fits(group))
+            self._queues.setdefault(group.adapter, deque()).append(group)
+            self._tokens += group.tokens
+            self.counters.groups_in += 1
+            self.counters.samples_in += len(group.samples)
+            self._changed.notify_all()
+
+    async def take(self, adapter: str, learner_version: int) -> Group:
+        """The oldest admissible group of `adapter`, lag-stamped; stale ones dropped on the way."""
+        async with self._changed:
+            while True:
+                await self._changed.wait_for(lambda: bool(self._queues.get(adapter)))
+                group = self._queues[adapter].popleft()
+                self._tokens -= group.tokens
+                self._changed.notify_all()
+                if self.admit(group, learner_version):
+                    self.counters.groups_out += 1
+                    return group
+
+    def take_nowait(self, adapter: str, learner_version: int) -> Group | None:
+        queue = self._queues.get(adapter)
+        while queue:
+            group = queue.popleft()
+            self._tokens -= group.tokens
+            if self.admit(group, learner_version):
+                self.counters.groups_out += 1
+                return group
+        return None
+
+    def admit(self, group: Group, learner_version: int) -> bool:
+        """Stamp policy_lag; apply the stale policy. False means the group was dropped."""
+        lag = learner_version - group.version
+        stale = lag > self.max_staleness
+        for sample in group.samples:
+            sample.policy_lag = lag
+            sample.stale = stale
+        if not stale:
+            return True
+        n = len(group.samples)
+        if self.stale_policy == "drop":
+            self.counters.dropped_stale += n
+            per = self.counters.per_adapter_dropped
+            per[group.adapter] = per.get(group.adapter, 0) + n
+            return False
+        self.counters.admitted_stale += n
+        return True
+
+    async def notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()

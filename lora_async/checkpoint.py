@@ -1,0 +1,115 @@
+"""Atomic checkpoints: adapters, optimizers, RNG, version counters, task position.
+
+    OUT/checkpoints/step-000012/{state.json, <adapter>.safetensors, <adapter>.optim.pt}
+    OUT/checkpoints/LATEST      (name of the newest complete checkpoint)
+
+A checkpoint is written into a temporary directory, renamed into place, and only then named
+in LATEST (itself replaced atomically). A kill at any moment leaves the previous checkpoint
+intact. Resume continues version numbering and the task stream where they stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KEEP = 2  # checkpoints kept on disk (the newest and one before it)
+
+
+@dataclass
+class RunState:
+    step: int
+    next_problem: dict[str, int]  # per adapter: index of the next training problem to draw
+    wall_s: float
+    counters: dict[str, Any]
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(out_dir: Path, state: RunState, learner: Any) -> Path:
+    from safetensors.torch import save_file
+
+    root = out_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{state.step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    try:
+        versions = {}
+        for adapter in learner.adapters:
+            save_file(learner.adapter_tensors(adapter), str(tmp / f"{adapter}.safetensors"))
+            torch.save(learner.state_dict(adapter), tmp / f"{adapter}.optim.pt")
+            versions[adapter] = learner.version(adapter)
+        payload = {
+            "step": state.step,
+            "versions": versions,
+            "next_problem": state.next_problem,
+            "wall_s": state.wall_s,
+            "counters": state.counters,
+            "rng": {
+                "python": _py_rng_to_json(random.getstate()),
+                "torch": torch.get_rng_state().tolist(),
+            },
+        }
+        (tmp / "state.json").write_text(json.dumps(payload))
+        final = root / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _atomic_write_text(root / "LATEST", name)
+    for old in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    pointer = out_dir / "checkpoints" / "LATEST"
+    if not pointer.is_file():
+        return None
+    path = out_dir / "checkpoints" / pointer.read_text().strip()
+    return path if (path / "state.json").is_file() else None
+
+
+def load_checkpoint(path: Path, learner: Any) -> RunState:
+    """Restore learner adapters/optimizers/versions and the RNG; return the run counters."""
+    from safetensors.torch import load_file
+
+    payload = json.loads((path / "state.json").read_text())
+    for adapter in learner.adapters:
+        learner.load_adapter_tensors(adapter, load_file(str(path / f"{adapter}.safetensors")))
+        learner.load_state_dict(adapter, torch.load(path / f"{adapter}.optim.pt", weights_only=False))
+    random.setstate(_py_rng_from_json(payload["rng"]["python"]))
+    torch.set_rng_state(torch.tensor(payload["rng"]["torch"], dtype=torch.uint8))
+    return RunState(payload["step"], payload["next_problem"], payload["wall_s"], payload["counters"])
+
+
+def checkpoint_tensors(path: Path, adapter: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / f"{adapter}.safetensors"))
+
+
+def _py_rng_to_json(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _py_rng_from_json(data: list) -> tuple:
+    return (data[0], tuple(data[1]), data[2])

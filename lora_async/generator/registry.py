@@ -1,0 +1,127 @@
+"""Which adapter versions are live in the engine, under which vLLM name and id, and who uses them.
+
+Pure bookkeeping (no vLLM import), so the rules are unit-tested on their own:
+
+- a version is served under the name `<adapter>@v<k>` and an int id that is never reused
+  (vLLM keys its prefix cache by name and its LoRA cache by id; reuse serves stale weights);
+- versions of one adapter are published in increasing order;
+- new requests always take the newest version; each request is counted in flight on the
+  version it started with until it finishes;
+- a version is retired once nothing in flight uses it and it is outside the staleness window
+  (older than newest - max_staleness).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LiveVersion:
+    adapter: str
+    version: int
+    int_id: int
+    in_flight: int = 0
+
+    @property
+    def vllm_name(self) -> str:
+        return f"{self.adapter}@v{self.version}"
+
+
+class RegistryError(Exception):
+    pass
+
+
+class VersionRegistry:
+    def __init__(self, max_staleness: int, capacity: int) -> None:
+        self.max_staleness = max_staleness
+        self.capacity = capacity  # versions the engine can hold registered at once
+        self._next_id = 1
+        self._live: dict[str, dict[int, LiveVersion]] = {}
+        self._newest: dict[str, int] = {}
+        self.published = 0
+        self.retired = 0
+
+    # ---- publishing
+    def check_new(self, adapter: str, version: int) -> None:
+        newest = self._newest.get(adapter)
+        if newest is not None and version <= newest:
+            raise RegistryError(
+                f"{adapter}: version {version} is not newer than the live v{newest} "
+                "(versions are monotonic and never reused)"
+            )
+
+    def reserve_id(self) -> int:
+        """A fresh int id; consumed even if the registration then fails (ids are never reused)."""
+        int_id = self._next_id
+        self._next_id += 1
+        return int_id
+
+    def add(self, adapter: str, version: int, int_id: int | None = None) -> LiveVersion:
+        self.check_new(adapter, version)
+        live = LiveVersion(adapter, version, self.reserve_id() if int_id is None else int_id)
+        self._live.setdefault(adapter, {})[version] = live
+        self._newest[adapter] = version
+        self.published += 1
+        return live
+
+    def total_live(self) -> int:
+        return sum(len(v) for v in self._live.values())
+
+    def is_full(self) -> bool:
+        return self.total_live() >= self.capacity
+
+    # ---- requests
+    def acquire(self, adapter: str) -> LiveVersion:
+        if adapter not in self._newest:
+            raise RegistryError(f"adapter {adapter!r} has no published version")
+        live = self._live[adapter][self._newest[adapter]]
+        live.in_flight += 1
+        return live
+
+    def acquire_version(self, adapter: str, version: int) -> LiveVersion:
+        live = self._live.get(adapter, {}).get(version)
+        if live is None:
+            raise RegistryError(f"{adapter}@v{version} is not live")
+        live.in_flight += 1
+        return live
+
+    def release(self, live: LiveVersion) -> None:
+        if live.in_flight <= 0:
+            raise RegistryError(f"{live.vllm_name}: release without acquire")
+        live.in_flight -= 1
+
+    # ---- retiring
+    def outside_window(self, live: LiveVersion) -> bool:
+        return live.version < self._newest[live.adapter] - self.max_staleness
+
+    def retirable(self) -> list[LiveVersion]:
+        """Versions to remove from the engine now: drained and outside the window."""
+        return [
+            live
+            for versions in self._live.values()
+            for live in versions.values()
+            if live.in_flight == 0 and self.outside_window(live)
+        ]
+
+    def oldest_outside_window(self) -> LiveVersion | None:
+        """The version to evict when the engine is full (its requests are aborted first)."""
+        stale = [
+            live for versions in self._live.values() for live in versions.values()
+            if self.outside_window(live)
+        ]
+        return min(stale, key=lambda lv: lv.int_id) if stale else None
+
+    def remove(self, live: LiveVersion) -> None:
+        self._live[live.adapter].pop(live.version, None)
+        self.retired += 1
+
+    # ---- inspection
+    def newest(self, adapter: str) -> int | None:
+        return self._newest.get(adapter)
+
+    def versions(self, adapter: str) -> list[int]:
+        return sorted(self._live.get(adapter, {}))
+
+    def all_live(self) -> list[LiveVersion]:
+        return [live for versions in self._live.values() for live in versions.values()]

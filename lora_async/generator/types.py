@@ -1,0 +1,82 @@
+"""What goes into and comes out of a generator, independent of the backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One prompt, `n` samples, on one adapter (None = the base model)."""
+
+    prompt_ids: list[int]
+    adapter: str | None
+    n: int = 1
+    max_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    tag: object = None  # opaque caller data, returned with the result
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]  # the sampling logprob of each token, as vLLM drew it
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+@dataclass
+class GenResult:
+    request: GenRequest
+    adapter: str | None
+    version: int | None  # the adapter version that produced every token of every sample
+    samples: list[Sample]
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and all(s.finish_reason != "abort" for s in self.samples)
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    """An adapter version ready to publish: tensors (peft state-dict names) + peft config."""
+
+    adapter: str
+    version: int
+    tensors: dict[str, torch.Tensor]
+    peft_config: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass
+class PublishStats:
+    adapter: str
+    version: int
+    vllm_name: str
+    int_id: int
+    bytes: int
+    ms: float  # tensors ready -> registered in the engine
+    retired: list[str] = field(default_factory=list)
+
+
+class Generator(Protocol):
+    """A multi-LoRA generator that serves several versions of each adapter at once."""
+
+    def submit(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
+        """Queue a request; `on_done` runs (on the generator's thread) when it finishes."""
+
+    def publish(self, version: AdapterVersion) -> PublishStats:
+        """Register a new version beside the live ones; blocks until it can be requested."""
+
+    def live_versions(self, adapter: str) -> list[int]:
+        """Versions of `adapter` currently registered in the engine."""
+
+    def close(self) -> None: ...

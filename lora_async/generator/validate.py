@@ -1,0 +1,115 @@
+"""Checks an adapter version against the base model before anything reaches the engine.
+
+vLLM would reject some of these deep inside a worker (or, worse, accept a wrong shape and
+fail mid-batch); here each is one clear error and the engine keeps serving what it has.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ADAPTER_NAME_RE
+from .types import AdapterVersion
+
+PEFT_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<ab>lora_A|lora_B)\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter version that cannot be served."""
+
+
+@dataclass(frozen=True)
+class BaseShapes:
+    """(in_features, out_features) of every linear module of the base model, by dotted path."""
+
+    linear: dict[str, tuple[int, int]]
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "BaseShapes":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return cls.from_module(model)
+
+    @classmethod
+    def from_module(cls, model: torch.nn.Module) -> "BaseShapes":
+        linear = {
+            name: (module.in_features, module.out_features)
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+        }
+        return cls(linear)
+
+    def suffixes(self) -> set[str]:
+        return {name.rsplit(".", 1)[-1] for name in self.linear}
+
+
+def peft_config_dict(config: object) -> dict:
+    """A peft `LoraConfig` as a JSON-able dict (sets become sorted lists)."""
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # type: ignore[call-overload]
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in raw.items()}
+
+
+def validate_adapter(version: AdapterVersion, shapes: BaseShapes, max_rank: int) -> None:
+    """Raise AdapterError naming the first problem; return None when the version is servable."""
+    name = f"{version.adapter}@v{version.version}"
+    if not ADAPTER_NAME_RE.match(version.adapter):
+        raise AdapterError(
+            f"adapter name {version.adapter!r} is not a plain identifier "
+            "(letters, digits, _ and -, starting with a letter or _)"
+        )
+    if version.version < 0:
+        raise AdapterError(f"{name}: version must be >= 0")
+    cfg = version.peft_config
+    rank = int(cfg.get("r", 0))
+    if rank < 1:
+        raise AdapterError(f"{name}: peft config has no rank r >= 1")
+    ranks = [rank, *(cfg.get("rank_pattern") or {}).values()]
+    if max(ranks) > max_rank:
+        raise AdapterError(f"{name}: rank {max(ranks)} is above the engine's max_lora_rank {max_rank}")
+    if cfg.get("use_dora"):
+        raise AdapterError(f"{name}: DoRA adapters are not supported by vLLM")
+    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
+        raise AdapterError(f"{name}: adapters with bias are not supported by vLLM")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(f"{name}: modules_to_save ({cfg['modules_to_save']}) is not supported by vLLM")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, (list, tuple)):
+        unknown = sorted(set(targets) - shapes.suffixes() - set(shapes.linear))
+        if unknown:
+            raise AdapterError(
+                f"{name}: target modules {unknown} do not exist in the base model "
+                f"(it has {sorted(shapes.suffixes())})"
+            )
+    if not version.tensors:
+        raise AdapterError(f"{name}: no tensors")
+    seen: dict[str, set[str]] = {}
+    for key, tensor in version.tensors.items():
+        match = PEFT_KEY_RE.match(key)
+        if match is None:
+            raise AdapterError(f"{name}: tensor {key!r} is not a peft LoRA weight name")
+        module, ab = match["module"], match["ab"]
+        if module not in shapes.linear:
+            raise AdapterError(f"{name}: tensor {key!r} targets {module!r}, not a linear module of the base")
+        if not tensor.is_floating_point():
+            raise AdapterError(f"{name}: tensor {key!r} has dtype {tensor.dtype}, expected floating point")
+        in_f, out_f = shapes.linear[module]
+        r = tensor.shape[0] if ab == "lora_A" else tensor.shape[-1]
+        expected = (r, in_f) if ab == "lora_A" else (out_f, r)
+        if tensor.dim() != 2 or tuple(tensor.shape) != expected or r > max_rank:
+            raise AdapterError(
+                f"{name}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {expected} "
+                f"(rank <= {max_rank})"
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            raise AdapterError(f"{name}: tensor {key!r} contains NaN or Inf")
+        seen.setdefault(module, set()).add(ab)
+    lonely = sorted(m for m, parts in seen.items() if parts != {"lora_A", "lora_B"})
+    if lonely:
+        raise AdapterError(f"{name}: modules {lonely[:3]} lack a lora_A/lora_B pair")

@@ -1,0 +1,135 @@
+"""Packing an adapter version into one contiguous buffer plus metadata.
+
+A packed adapter is what every transport moves: a flat uint8 buffer (tensors cast to the
+serving dtype and laid end to end, 64-byte aligned), the names/shapes/dtypes/offsets, the peft
+config, and an optional blake3 checksum. Unpacking gives zero-copy views; the receiver makes
+one owned copy (vLLM scales `lora_B` in place when it loads an adapter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..generator.types import AdapterVersion
+
+ALIGN = 64  # bytes; keeps every tensor view aligned for vectorised kernels
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class PackError(ValueError):
+    """A packed adapter that does not unpack: truncated, corrupted or inconsistent."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class PackedAdapter:
+    adapter: str
+    version: int
+    buffer: torch.Tensor  # 1-D uint8
+    tensors: list[TensorMeta]
+    peft_config: dict = field(default_factory=dict)
+    checksum: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel())
+
+    def meta(self) -> dict:
+        """Everything but the buffer, as plain JSON-able data (for RPC and headers)."""
+        return {
+            "adapter": self.adapter,
+            "version": self.version,
+            "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors],
+            "peft_config": self.peft_config,
+            "checksum": self.checksum,
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict, buffer: torch.Tensor) -> "PackedAdapter":
+        try:
+            tensors = [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in meta["tensors"]]
+            packed = cls(meta["adapter"], int(meta["version"]), buffer, tensors,
+                         dict(meta.get("peft_config") or {}), meta.get("checksum"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PackError(f"malformed adapter metadata: {exc}") from exc
+        if packed.nbytes != int(meta.get("nbytes", packed.nbytes)):
+            raise PackError(f"truncated buffer: {packed.nbytes} bytes, expected {meta['nbytes']}")
+        return packed
+
+
+def checksum(buffer: torch.Tensor) -> str:
+    from blake3 import blake3
+
+    return blake3(memoryview(buffer.numpy())).hexdigest()
+
+
+def pack(version: AdapterVersion, dtype: torch.dtype | None = None, with_checksum: bool = False,
+         out: torch.Tensor | None = None) -> PackedAdapter:
+    """Cast and copy every tensor into one fresh buffer (or into `out`, e.g. shared memory)."""
+    metas: list[TensorMeta] = []
+    offset = 0
+    for name, tensor in version.tensors.items():
+        target = dtype or tensor.dtype
+        nbytes = tensor.numel() * torch.empty((), dtype=target).element_size()
+        metas.append(TensorMeta(name, str(target).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    buffer = out[:offset] if out is not None else torch.empty(offset, dtype=torch.uint8)
+    if buffer.numel() < offset:
+        raise PackError(f"output buffer holds {buffer.numel()} bytes, need {offset}")
+    for meta, tensor in zip(metas, version.tensors.values()):
+        view = buffer[meta.offset : meta.offset + meta.nbytes].view(_DTYPES[meta.dtype])
+        view.view(meta.shape).copy_(tensor.detach())
+    packed = PackedAdapter(version.adapter, version.version, buffer, metas, dict(version.peft_config))
+    if with_checksum:
+        packed.checksum = checksum(buffer)
+    return packed
+
+
+def unpack_views(packed: PackedAdapter) -> dict[str, torch.Tensor]:
+    """Zero-copy views into the packed buffer; checks bounds, sizes and (if present) checksum."""
+    buffer = packed.buffer
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise PackError("packed buffer must be 1-D uint8")
+    if packed.checksum is not None and checksum(buffer) != packed.checksum:
+        raise PackError(f"{packed.adapter}@v{packed.version}: checksum mismatch (corrupted transfer)")
+    views: dict[str, torch.Tensor] = {}
+    for meta in packed.tensors:
+        dtype = _DTYPES.get(meta.dtype)
+        if dtype is None:
+            raise PackError(f"tensor {meta.name!r}: unsupported dtype {meta.dtype}")
+        numel = 1
+        for dim in meta.shape:
+            numel *= dim
+        if numel * torch.empty((), dtype=dtype).element_size() != meta.nbytes:
+            raise PackError(f"tensor {meta.name!r}: shape {meta.shape} does not match {meta.nbytes} bytes")
+        if meta.offset < 0 or meta.offset + meta.nbytes > buffer.numel():
+            raise PackError(
+                f"truncated buffer: tensor {meta.name!r} needs bytes up to "
+                f"{meta.offset + meta.nbytes}, buffer has {buffer.numel()}"
+            )
+        views[meta.name] = buffer[meta.offset : meta.offset + meta.nbytes].view(dtype).view(meta.shape)
+    return views
+
+
+def unpack_owned(packed: PackedAdapter, copy: bool = True) -> dict[str, torch.Tensor]:
+    """Views into one owned copy of the buffer (`copy=False` when the buffer is already ours)."""
+    if copy:
+        packed = PackedAdapter(packed.adapter, packed.version, packed.buffer.clone(), packed.tensors,
+                               packed.peft_config, packed.checksum)
+    return unpack_views(packed)
