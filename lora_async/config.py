@@ -166,6 +166,9 @@ class RunConfig(_Section):
     output_dir: str = Field("runs/default", description="Where metrics, adapters and checkpoints go.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
     eval_every: int = Field(0, ge=0, description="Held-out greedy eval every N steps (0 = off).")
+    eval_max_tokens: int | None = Field(
+        None, ge=1, le=32768, description="Completion limit for held-out eval (None = generator.max_new_tokens)."
+    )
     eval_at_start: bool = Field(False, description="Evaluate the base model before training.")
     eval_at_end: bool = Field(False, description="Evaluate the final adapter after training.")
     canary_every: int = Field(10, ge=0, description="Generator/learner logprob probe every N syncs (0 = off).")
@@ -266,6 +269,10 @@ class TrainConfig(_Section):
     def max_loras(self) -> int:
         """Engine slots: every live version of every adapter, plus one being published."""
         return len(self.adapter_names) * self.versions_per_adapter + 1
+
+    @property
+    def eval_max_tokens(self) -> int:
+        return self.run.eval_max_tokens or self.generator.max_new_tokens
 
     @property
     def max_lora_rank(self) -> int:

@@ -114,9 +114,9 @@ def run_eval(config: Any, adapter_dir: Any, limit: int = 0) -> dict:
 
         async def both() -> list[EvalResult]:
             gen = asyncio_generate(generator)
-            out = [await evaluate(gen, tokenizer, task, problems, None, config.generator.max_new_tokens)]
+            out = [await evaluate(gen, tokenizer, task, problems, None, config.eval_max_tokens)]
             if tensors is not None:
-                out.append(await evaluate(gen, tokenizer, task, problems, "eval", config.generator.max_new_tokens))
+                out.append(await evaluate(gen, tokenizer, task, problems, "eval", config.eval_max_tokens))
             return out
 
         for result in asyncio.run(both()):

@@ -54,40 +54,104 @@ def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor  # [B, T], right-padded
-    attention_mask: torch.Tensor  # [B, T]
-    rows: torch.Tensor  # [N] row of each position that predicts a completion token
-    cols: torch.Tensor  # [N] its column (the target is at cols + 1)
+    """Rows of prompt trees: one prompt followed by all its completions, each completion
+    attending to the shared prompt and to itself only (so a group's prompt is computed once)."""
+
+    input_ids: torch.Tensor  # [B, T]
+    position_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, 1, T, T] bool, True = may attend
+    rows: torch.Tensor  # [N] row of the hidden state that predicts each completion token
+    cols: torch.Tensor  # [N] its column
+    targets: torch.Tensor  # [N] the completion tokens
     behaviour: torch.Tensor  # [N] vLLM's sampling logprobs
     advantages: torch.Tensor  # [N]
     stale: torch.Tensor  # [N] bool
+    lengths: list[int]  # completion length of each sample, in input order
 
     @property
     def padded_tokens(self) -> int:
-        return int(self.input_ids.numel())
+        return int(self.input_ids.shape[0] * self.input_ids.shape[1])
 
 
-def build_micro_batch(samples: list[TrainSample], pad_id: int, device: torch.device) -> MicroBatch:
-    width = max(s.tokens for s in samples)
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(samples), width), dtype=torch.long)
-    rows, cols, behaviour, adv, stale = [], [], [], [], []
-    for row, s in enumerate(samples):
-        seq = s.prompt_ids + s.completion_ids
-        ids[row, : len(seq)] = torch.tensor(seq)
-        attn[row, : len(seq)] = 1
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        rows.extend([row] * c)
-        cols.extend(range(p - 1, p + c - 1))
-        behaviour.extend(s.logprobs)
-        adv.extend([s.advantage] * c)
-        stale.extend([s.stale] * c)
+def prompt_units(samples: list[TrainSample]) -> list[list[int]]:
+    """Indices of samples grouped by identical prompt (a GRPO group shares one prompt)."""
+    units: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        units.setdefault(tuple(s.prompt_ids), []).append(i)
+    return list(units.values())
+
+
+def unit_tokens(samples: list[TrainSample], unit: list[int]) -> int:
+    return len(samples[unit[0]].prompt_ids) + sum(len(samples[i].completion_ids) for i in unit)
+
+
+def plan_step(samples: list[TrainSample], token_budget: int) -> list[list[list[int]]]:
+    """Micro-batches of rows of sample indices: one prompt unit per row, rows packed to the budget.
+
+    A unit bigger than the budget is split into several rows that repeat the prompt.
+    """
+    rows: list[list[int]] = []
+    for unit in prompt_units(samples):
+        prompt_len = len(samples[unit[0]].prompt_ids)
+        row: list[int] = []
+        size = prompt_len
+        for i in unit:
+            extra = len(samples[i].completion_ids)
+            if row and size + extra > token_budget:
+                rows.append(row)
+                row, size = [], prompt_len
+            row.append(i)
+            size += extra
+        rows.append(row)
+    lengths = [unit_tokens(samples, row) for row in rows]
+    return [[rows[r] for r in batch] for batch in plan_micro_batches(lengths, token_budget)]
+
+
+def build_micro_batch(samples: list[TrainSample], rows: list[list[int]], pad_id: int,
+                      device: torch.device) -> MicroBatch:
+    width = max(unit_tokens(samples, row) for row in rows)
+    n_rows = len(rows)
+    ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
+    pos = torch.zeros((n_rows, width), dtype=torch.long)
+    branch = torch.full((n_rows, width), -2, dtype=torch.long)  # -1 prompt, k sample k, -2 pad
+    pred_rows, pred_cols, behaviour, adv, stale, lengths = [], [], [], [], [], []
+    for r, row in enumerate(rows):
+        prompt = samples[row[0]].prompt_ids
+        p = len(prompt)
+        ids[r, :p] = torch.tensor(prompt)
+        pos[r, :p] = torch.arange(p)
+        branch[r, :p] = -1
+        start = p
+        for k, i in enumerate(row):
+            s = samples[i]
+            c = len(s.completion_ids)
+            ids[r, start : start + c] = torch.tensor(s.completion_ids)
+            pos[r, start : start + c] = torch.arange(p, p + c)
+            branch[r, start : start + c] = k
+            # token j of this completion is predicted from token j-1 (the last prompt token for j=0)
+            pred_rows.extend([r] * c)
+            pred_cols.extend([p - 1, *range(start, start + c - 1)])
+            behaviour.extend(s.logprobs)
+            adv.extend([s.advantage] * c)
+            stale.extend([s.stale] * c)
+            lengths.append(c)
+            start += c
+    index = torch.arange(width)
+    causal = index[None, :, None] >= index[None, None, :]  # [1, q, k]
+    bq, bk = branch[:, :, None], branch[:, None, :]
+    same_tree = (bk == -1) | (bk == bq)
+    real = (bq != -2) & (bk != -2)
+    allowed = causal & same_tree & real
+    allowed |= torch.eye(width, dtype=torch.bool)[None]  # padding rows attend to themselves (no NaN)
+    flat_targets = torch.tensor([t for row in rows for i in row for t in samples[i].completion_ids])
     return MicroBatch(
-        ids.to(device), attn.to(device),
-        torch.tensor(rows, device=device), torch.tensor(cols, device=device),
+        ids.to(device), pos.to(device), allowed[:, None].to(device),
+        torch.tensor(pred_rows, device=device), torch.tensor(pred_cols, device=device),
+        flat_targets.to(device),
         torch.tensor(behaviour, dtype=torch.float32, device=device),
         torch.tensor(adv, dtype=torch.float32, device=device),
         torch.tensor(stale, dtype=torch.bool, device=device),
+        lengths,
     )
 
 
@@ -105,12 +169,13 @@ def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head_weight: to
 def completion_logprobs(model: Any, mb: MicroBatch, temperature: float, chunk: int) -> torch.Tensor:
     """Logprob of every completion token ([N]); only those positions go through the LM head."""
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = causal_lm.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
+    hidden = causal_lm.model(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
+    ).last_hidden_state
     picked = hidden[mb.rows, mb.cols]
-    targets = mb.input_ids[mb.rows, mb.cols + 1]
     weight = causal_lm.get_output_embeddings().weight
     parts = []
-    for h, t in zip(picked.split(chunk), targets.split(chunk)):
+    for h, t in zip(picked.split(chunk), mb.targets.split(chunk)):
         if torch.is_grad_enabled():
             # Recompute the chunk's logits in backward instead of keeping [chunk, vocab] fp32.
             parts.append(checkpoint(_chunk_logprobs, h, t, weight, temperature, use_reentrant=False))
@@ -165,7 +230,9 @@ class Learner:
         self.temperature = temperature
         self.device = torch.device(placement.device)
         torch.manual_seed(seed)
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[learner.dtype])
+        # sdpa takes the boolean 4-D prompt-tree masks built in `build_micro_batch` as they are.
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[learner.dtype],
+                                                    attn_implementation="sdpa")
         base.to(self.device)
         if learner.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -229,23 +296,26 @@ class Learner:
     def logprobs(self, adapter: str | None, samples: list[TrainSample]) -> list[list[float]]:
         """Completion-token logprobs under `adapter` (None = the base, adapter switched off)."""
         result: list[list[float]] = [[] for _ in samples]
-        for batch in plan_micro_batches([s.tokens for s in samples], self.cfg.token_budget):
-            chosen = [samples[i] for i in batch]
-            mb = build_micro_batch(chosen, self.pad_id, self.device)
+        for rows in plan_step(samples, self.cfg.token_budget):
+            mb = build_micro_batch(samples, rows, self.pad_id, self.device)
             if adapter is None:
                 with self.model.disable_adapter():
                     flat = completion_logprobs(self.model, mb, self.temperature, self.cfg.logprob_chunk)
             else:
                 self.model.set_adapter(adapter)
                 flat = completion_logprobs(self.model, mb, self.temperature, self.cfg.logprob_chunk)
-            for i, piece in zip(batch, flat.split([len(s.completion_ids) for s in chosen])):
+            order = [i for row in rows for i in row]
+            for i, piece in zip(order, flat.split(mb.lengths)):
                 result[i] = piece.float().tolist()
         return result
 
-    def micro_batches_needed(self, samples: list[TrainSample]) -> int:
+    def _trainable(self, samples: list[TrainSample]) -> list[TrainSample]:
+        # Samples with zero advantage contribute no gradient (unless KL needs them): skip them.
         kl = self.loss_cfg.kl_coef > 0
-        lengths = [s.tokens for s in samples if s.completion_ids and (s.advantage != 0.0 or kl)]
-        return len(plan_micro_batches(lengths, self.cfg.token_budget))
+        return [s for s in samples if s.completion_ids and (s.advantage != 0.0 or kl)]
+
+    def micro_batches_needed(self, samples: list[TrainSample]) -> int:
+        return len(plan_step(self._trainable(samples), self.cfg.token_budget))
 
     # ---- the training step
     def train_step(self, adapter: str, samples: list[TrainSample]) -> StepStats:
@@ -253,16 +323,15 @@ class Learner:
         state = self.adapters[adapter]
         self.model.set_adapter(adapter)
         kl_coef = self.loss_cfg.kl_coef
-        # Samples with zero advantage contribute no gradient (unless KL needs them): skip them.
-        trained = [s for s in samples if s.completion_ids and (s.advantage != 0.0 or kl_coef > 0)]
+        trained = self._trainable(samples)
         total_tokens = sum(len(s.completion_ids) for s in trained)
-        plan = plan_micro_batches([s.tokens for s in trained], self.cfg.token_budget)
+        plan = plan_step(trained, self.cfg.token_budget)
         stats = LossStats()
         loss_total = 0.0
         padded = 0
         state.optimizer.zero_grad(set_to_none=True)
-        for batch in plan:
-            mb = build_micro_batch([trained[i] for i in batch], self.pad_id, self.device)
+        for rows in plan:
+            mb = build_micro_batch(trained, rows, self.pad_id, self.device)
             padded += mb.padded_tokens
             logp = completion_logprobs(self.model, mb, self.temperature, self.cfg.logprob_chunk)
             ref = None

@@ -98,6 +98,7 @@ class Run:
     evals: list[dict] = field(default_factory=list)
     background: set = field(default_factory=set)
     last_reward: float | None = None
+    pulled_rewards: list[float] = field(default_factory=list)  # every group taken for this step
 
     @property
     def wall_s(self) -> float:
@@ -161,6 +162,7 @@ async def collect_batch(run: Run) -> list[Group] | None:
     """`groups_per_step` informative groups (rewards not all equal), fitting the micro-batch cap."""
     cfg = run.config.learner
     groups, run.carry = run.carry, []
+    run.pulled_rewards = [s.reward for g in groups for s in g.samples]
     pulled = 0
     keep_all = run.config.loss.kl_coef > 0
     while len(groups) < cfg.groups_per_step:
@@ -172,6 +174,7 @@ async def collect_batch(run: Run) -> list[Group] | None:
             continue
         await run.notify()
         pulled += 1
+        run.pulled_rewards.extend(group.rewards)
         if not group.informative and not keep_all:
             run.counters.zero_adv_groups += 1
         elif groups and run.learner.micro_batches_needed(_samples(groups + [group])) > cfg.micro_batches_per_step:
@@ -280,7 +283,7 @@ async def save_adapter(run: Run, final: bool) -> None:
 async def eval_event(run: Run, when: str) -> EvalResult:
     problems = run.task.heldout()
     result = await evaluate(run.generate, run.tokenizer, run.task, problems, run.adapter,
-                            run.config.generator.max_new_tokens)
+                            run.config.eval_max_tokens)
     row = {"kind": "eval", "when": when, "step": run.step, "version": result.version,
            "wall_s": round(run.wall_s, 3), "accuracy": result.accuracy, "n": result.n}
     run.evals.append(row)
@@ -426,7 +429,10 @@ def _marks(run: Run) -> dict[str, float]:
 def step_row(run: Run, groups: list[Group], stats: StepStats, sync: dict | None,
              marks: dict[str, float]) -> dict[str, Any]:
     samples = _samples(groups)
-    rewards = [s.reward for s in samples]
+    # The policy's reward: every group taken for this step, including those with no signal
+    # (all samples equal) that were not trained on.
+    rewards = run.pulled_rewards or [s.reward for s in samples]
+    batch_rewards = [s.reward for s in samples]
     lags = [s.policy_lag for s in samples]
     elapsed = max(time.perf_counter() - marks["wall"], 1e-9)
     gen_busy = run.generator.stats["busy_s"] - marks["busy"]
@@ -440,6 +446,7 @@ def step_row(run: Run, groups: list[Group], stats: StepStats, sync: dict | None,
         "wall_s": round(run.wall_s, 3),
         "reward_mean": reward_mean,
         "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "batch_reward_mean": statistics.fmean(batch_rewards) if batch_rewards else 0.0,
         "samples": len(samples),
         "groups": len(groups),
         "tokens_generated": run.counters.tokens_generated - int(marks["tokens"]),

@@ -22,6 +22,7 @@ class LiveVersion:
     version: int
     int_id: int
     in_flight: int = 0
+    path: str | None = None  # set when vLLM loaded this version from a PEFT directory
 
     @property
     def vllm_name(self) -> str:

@@ -16,6 +16,7 @@ class GenRequest:
     adapter: str | None
     n: int = 1
     max_tokens: int = 32
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None

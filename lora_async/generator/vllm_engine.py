@@ -115,6 +115,13 @@ class VllmGenerator:
         self._check_alive()
         return self._call("publish", packed, started or time.perf_counter())
 
+    def publish_dir(self, adapter: str, version: int, path: Path) -> PublishStats:
+        """Register a version that vLLM loads itself from a PEFT directory (its file path)."""
+        self._check_alive()
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise AdapterError(f"{path} is not a PEFT adapter directory")
+        return self._call("publish_dir", adapter, version, str(path), time.perf_counter())
+
     def live_versions(self, adapter: str) -> list[int]:
         return self._call("fn", lambda: self.registry.versions(adapter))
 
@@ -254,6 +261,8 @@ class VllmGenerator:
         kind = command[0]
         if kind == "publish":
             return self._register(command[1], command[2])
+        if kind == "publish_dir":
+            return self._register_dir(*command[1:-1])
         if kind == "fn":
             return command[1]()
         raise ValueError(f"unknown command {kind!r}")
@@ -290,6 +299,22 @@ class VllmGenerator:
             retired=retired,
         )
 
+    def _register_dir(self, adapter: str, version: int, path: str, started: float) -> PublishStats:
+        from vllm.lora.request import LoRARequest
+
+        registry = self.registry
+        registry.check_new(adapter, version)
+        if registry.is_full():
+            self._evict(registry.oldest_outside_window())
+        int_id = registry.reserve_id()
+        self._engine.add_lora(LoRARequest(f"{adapter}@v{version}", int_id, path))
+        live = registry.add(adapter, version, int_id)
+        live.path = path
+        retired = [self._retire(old) for old in registry.retirable()]
+        size = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+        return PublishStats(adapter, version, live.vllm_name, int_id, size,
+                            (time.perf_counter() - started) * 1000, retired)
+
     def _retire(self, live: LiveVersion) -> str:
         self._engine.collective_rpc("lora_async_remove", args=(live.int_id,))
         self.registry.remove(live)
@@ -322,10 +347,12 @@ class VllmGenerator:
                 live = self.registry.acquire(request.adapter)
                 # The path is never read while the version is live (we never let vLLM evict
                 # it); if it ever were, a missing path fails loudly instead of serving stale.
-                lora_request = LoRARequest(live.vllm_name, live.int_id, f"lora-async://{live.vllm_name}")
+                path = live.path or f"lora-async://{live.vllm_name}"
+                lora_request = LoRARequest(live.vllm_name, live.int_id, path)
             params = SamplingParams(
                 n=request.n,
                 max_tokens=request.max_tokens,
+                min_tokens=request.min_tokens,
                 temperature=request.temperature,
                 top_p=request.top_p,
                 seed=request.seed,

@@ -1,0 +1,41 @@
+"""Shared fixtures: a tiny random-weight Llama (real tokenizer) and one vLLM engine per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    from lora_async.models import embedded_tokenizer
+
+    return embedded_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer, 128-wide Llama with random bf16 weights and the SmolLM2 tokenizer."""
+    from lora_async.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model: Path):
+    """One in-process vLLM engine for the whole test session (adapters 'a' and 'b')."""
+    from lora_async.generator.vllm_engine import EngineSpec, VllmGenerator
+    from lora_async.placement import Placement
+
+    spec = EngineSpec(model_dir=tiny_model, adapters=("a", "b", "c"), max_staleness=1, max_lora_rank=8,
+                      kv_cache_gb=0.25, max_model_len=512, seed=0)
+    generator = VllmGenerator(spec, Placement("cpu", None))
+    yield generator
+    generator.close()

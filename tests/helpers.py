@@ -1,0 +1,60 @@
+"""Test helpers: random adapters for the tiny model, blocking generation."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from lora_async.generator.types import AdapterVersion, GenRequest, GenResult
+
+
+def random_adapter(model_dir: Path, adapter: str, version: int, seed: int, scale: float = 1.0,
+                   rank: int = 8, **peft_kwargs) -> AdapterVersion:
+    """A peft LoRA with random A and B (so it visibly changes outputs), as an AdapterVersion."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from lora_async.generator.validate import peft_config_dict
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False,
+                     **peft_kwargs)
+    model = get_peft_model(base, cfg)
+    tensors = {k: (v.detach() * scale).clone() for k, v in get_peft_model_state_dict(model).items()}
+    config = peft_config_dict(cfg)
+    return AdapterVersion(adapter, version, tensors, config)
+
+
+def generate(generator, request: GenRequest, timeout: float = 120.0) -> GenResult:
+    done = threading.Event()
+    box: list[GenResult] = []
+
+    def on_done(result: GenResult) -> None:
+        box.append(result)
+        done.set()
+
+    generator.submit(request, on_done)
+    assert done.wait(timeout), "generation timed out"
+    return box[0]
+
+
+def submit_many(generator, requests: list[GenRequest], timeout: float = 120.0) -> list[GenResult]:
+    """Submit all at once (they share engine batches); wait for every result."""
+    results: list[GenResult | None] = [None] * len(requests)
+    remaining = threading.Semaphore(0)
+
+    for i, request in enumerate(requests):
+        def on_done(result: GenResult, i: int = i) -> None:
+            results[i] = result
+            remaining.release()
+
+        generator.submit(request, on_done)
+    for _ in requests:
+        assert remaining.acquire(timeout=timeout), "generation timed out"
+    return results  # type: ignore[return-value]
+
+
+PROMPTS = [[1, 510, 2114, 314, 260, 1372], [1, 22, 3320, 4217, 3106], [1, 17, 28, 39, 410, 511, 612]]

@@ -1,0 +1,86 @@
+"""The rollout buffer: token bound, staleness, counts; GRPO advantages."""
+
+import asyncio
+
+import pytest
+
+from lora_async.buffer import Group, RolloutBuffer, TrainSample, group_advantages
+
+
+def group(version, n=2, tokens_each=10, adapter="a", reward=(0.0, 1.0)):
+    samples = [TrainSample(adapter, version, [1] * (tokens_each // 2), [2] * (tokens_each - tokens_each // 2),
+                           [-0.1] * (tokens_each - tokens_each // 2), reward[i % 2]) for i in range(n)]
+    return Group(adapter, version, 0, samples)
+
+
+def test_advantages_are_group_normalised():
+    assert group_advantages([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0]
+    adv = group_advantages([0.0, 1.0])
+    assert adv == pytest.approx([-1.0, 1.0], abs=1e-5)
+    adv = group_advantages([0.0, 0.0, 0.0, 1.0])
+    assert sum(adv) == pytest.approx(0.0, abs=1e-9)
+    assert adv[3] == pytest.approx(3 ** 0.5, rel=1e-4)
+
+
+def test_token_bound_blocks_producers_until_the_learner_takes():
+    async def scenario():
+        buf = RolloutBuffer(max_tokens=40, max_staleness=4, stale_policy="drop")
+        await buf.put(group(0))  # 20 tokens
+        await buf.put(group(0))  # 40 tokens: full
+        third = asyncio.create_task(buf.put(group(0)))
+        await asyncio.sleep(0.05)
+        assert not third.done() and buf.tokens == 40
+        await buf.take("a", 0)
+        await asyncio.wait_for(third, 1.0)
+        assert buf.tokens == 40 and buf.groups() == 2
+    asyncio.run(scenario())
+
+
+def test_oversized_group_enters_an_empty_buffer():
+    async def scenario():
+        buf = RolloutBuffer(max_tokens=10, max_staleness=1, stale_policy="drop")
+        await asyncio.wait_for(buf.put(group(0, tokens_each=50)), 1.0)
+        assert buf.tokens == 100
+    asyncio.run(scenario())
+
+
+def test_stale_groups_are_dropped_and_counted():
+    async def scenario():
+        buf = RolloutBuffer(max_tokens=1000, max_staleness=1, stale_policy="drop")
+        await buf.put(group(0, n=3))  # lag 2 at version 2: dropped
+        await buf.put(group(1, n=3))  # lag 1: kept
+        got = await buf.take("a", 2)
+        assert got.version == 1
+        assert [s.policy_lag for s in got.samples] == [1, 1, 1]
+        assert buf.counters.dropped_stale == 3 and buf.counters.admitted_stale == 0
+        assert buf.tokens == 0
+    asyncio.run(scenario())
+
+
+def test_is_correct_admits_stale_groups_marked_for_correction():
+    async def scenario():
+        buf = RolloutBuffer(max_tokens=1000, max_staleness=0, stale_policy="is-correct")
+        await buf.put(group(3, n=2))
+        got = await buf.take("a", 5)
+        assert all(s.stale and s.policy_lag == 2 for s in got.samples)
+        assert buf.counters.admitted_stale == 2 and buf.counters.dropped_stale == 0
+    asyncio.run(scenario())
+
+
+def test_adapters_have_separate_queues():
+    async def scenario():
+        buf = RolloutBuffer(max_tokens=1000, max_staleness=1, stale_policy="drop")
+        await buf.put(group(0, adapter="x"))
+        await buf.put(group(0, adapter="y"))
+        assert (await buf.take("y", 0)).adapter == "y"
+        assert buf.groups("x") == 1 and buf.groups("y") == 0
+    asyncio.run(scenario())
+
+
+def test_informative_groups():
+    g = group(0)
+    for s, a in zip(g.samples, group_advantages(g.rewards)):
+        s.advantage = a
+    assert g.informative
+    flat = group(0, reward=(1.0, 1.0))
+    assert not flat.informative

@@ -1,0 +1,58 @@
+"""Packing adapters into one buffer: round trip, owned copies, corruption."""
+
+import pytest
+import torch
+
+from lora_async.generator.types import AdapterVersion
+from lora_async.sync.pack import PackError, PackedAdapter, pack, unpack_owned, unpack_views
+
+
+def adapter():
+    torch.manual_seed(0)
+    tensors = {"base_model.model.l.q_proj.lora_A.weight": torch.randn(8, 64),
+               "base_model.model.l.q_proj.lora_B.weight": torch.randn(96, 8)}
+    return AdapterVersion("a", 3, tensors, {"r": 8, "lora_alpha": 16})
+
+
+def test_round_trip_with_cast_and_alignment():
+    version = adapter()
+    packed = pack(version, dtype=torch.bfloat16, with_checksum=True)
+    assert packed.buffer.dtype == torch.uint8
+    assert all(m.offset % 64 == 0 for m in packed.tensors)
+    views = unpack_views(packed)
+    for name, tensor in version.tensors.items():
+        assert views[name].dtype == torch.bfloat16
+        assert torch.equal(views[name], tensor.to(torch.bfloat16))
+    assert packed.peft_config == version.peft_config
+
+
+def test_unpack_owned_is_a_copy():
+    packed = pack(adapter())
+    owned = unpack_owned(packed)
+    first = next(iter(owned.values()))
+    first.mul_(0)  # vLLM scales lora_B in place: must not reach the sender's buffer
+    assert not torch.equal(next(iter(unpack_views(packed).values())), first)
+
+
+def test_checksum_mismatch_is_rejected():
+    packed = pack(adapter(), with_checksum=True)
+    packed.buffer[5] ^= 0xFF
+    with pytest.raises(PackError, match="checksum"):
+        unpack_views(packed)
+
+
+def test_truncated_buffer_is_rejected():
+    packed = pack(adapter())
+    meta = packed.meta()
+    with pytest.raises(PackError, match="truncated"):
+        PackedAdapter.from_meta(meta, packed.buffer[:-100])
+    short = PackedAdapter(packed.adapter, packed.version, packed.buffer[:-100], packed.tensors)
+    with pytest.raises(PackError, match="truncated"):
+        unpack_views(short)
+
+
+def test_meta_round_trip():
+    packed = pack(adapter(), with_checksum=True)
+    again = PackedAdapter.from_meta(packed.meta(), packed.buffer.clone())
+    assert again.checksum == packed.checksum
+    assert unpack_views(again).keys() == unpack_views(packed).keys()
