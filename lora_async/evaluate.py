@@ -82,7 +82,6 @@ def run_eval(config: Any, adapter_dir: Any, limit: int = 0) -> dict:
     from transformers import AutoTokenizer
 
     from .adapters import load_peft_dir
-    from .generator.types import AdapterVersion
     from .generator.vllm_engine import EngineSpec, VllmGenerator
     from .models import resolve_model
     from .placement import Placement
@@ -93,10 +92,9 @@ def run_eval(config: Any, adapter_dir: Any, limit: int = 0) -> dict:
     problems = task.heldout()[: limit or None]
     if not problems:
         raise ValueError("the task has no held-out problems (set task.heldout)")
-    tensors, peft_config = (None, None)
     rank = config.lora.rank
     if adapter_dir is not None:
-        tensors, peft_config = load_peft_dir(Path(adapter_dir))
+        _, peft_config = load_peft_dir(Path(adapter_dir))  # fails early on a non-PEFT directory
         rank = int(peft_config.get("r", rank))
     from .config import vllm_rank
 
@@ -109,13 +107,14 @@ def run_eval(config: Any, adapter_dir: Any, limit: int = 0) -> dict:
     results = []
     with VllmGenerator(spec, Placement("cpu" if config.generator.device in ("auto", "cpu") else
                                        config.generator.device, None)) as generator:
-        if tensors is not None:
-            generator.publish(AdapterVersion("eval", 0, tensors, peft_config))
+        if adapter_dir is not None:
+            # vLLM loads the directory itself (LoRARequest path), as `vllm serve` would.
+            generator.publish_dir("eval", 0, Path(adapter_dir).resolve())
 
         async def both() -> list[EvalResult]:
             gen = asyncio_generate(generator)
             out = [await evaluate(gen, tokenizer, task, problems, None, config.eval_max_tokens)]
-            if tensors is not None:
+            if adapter_dir is not None:
                 out.append(await evaluate(gen, tokenizer, task, problems, "eval", config.eval_max_tokens))
             return out
 

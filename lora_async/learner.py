@@ -66,6 +66,7 @@ class MicroBatch:
     behaviour: torch.Tensor  # [N] vLLM's sampling logprobs
     advantages: torch.Tensor  # [N]
     stale: torch.Tensor  # [N] bool
+    lag: torch.Tensor  # [N] policy lag of the sample each token belongs to
     lengths: list[int]  # completion length of each sample, in input order
 
     @property
@@ -114,7 +115,7 @@ def build_micro_batch(samples: list[TrainSample], rows: list[list[int]], pad_id:
     ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
     pos = torch.zeros((n_rows, width), dtype=torch.long)
     branch = torch.full((n_rows, width), -2, dtype=torch.long)  # -1 prompt, k sample k, -2 pad
-    pred_rows, pred_cols, behaviour, adv, stale, lengths = [], [], [], [], [], []
+    pred_rows, pred_cols, behaviour, adv, stale, lag, lengths = [], [], [], [], [], [], []
     for r, row in enumerate(rows):
         prompt = samples[row[0]].prompt_ids
         p = len(prompt)
@@ -134,6 +135,7 @@ def build_micro_batch(samples: list[TrainSample], rows: list[list[int]], pad_id:
             behaviour.extend(s.logprobs)
             adv.extend([s.advantage] * c)
             stale.extend([s.stale] * c)
+            lag.extend([s.policy_lag] * c)
             lengths.append(c)
             start += c
     index = torch.arange(width)
@@ -151,6 +153,7 @@ def build_micro_batch(samples: list[TrainSample], rows: list[list[int]], pad_id:
         torch.tensor(behaviour, dtype=torch.float32, device=device),
         torch.tensor(adv, dtype=torch.float32, device=device),
         torch.tensor(stale, dtype=torch.bool, device=device),
+        torch.tensor(lag, dtype=torch.long, device=device),
         lengths,
     )
 
@@ -343,6 +346,10 @@ class Learner:
                 clip_eps=self.loss_cfg.clip_eps, ratio_cap=self.loss_cfg.ratio_cap,
                 kl_coef=kl_coef, ref_logp=ref, stale=mb.stale,
             )
+            with torch.no_grad():
+                on_policy = mb.lag == 0
+                mb_stats.onpolicy_tokens = int(on_policy.sum())
+                mb_stats.onpolicy_mismatch_sum = float((logp - mb.behaviour)[on_policy].abs().sum())
             (loss_sum / total_tokens).backward()
             loss_total += float(loss_sum.detach())
             stats.merge(mb_stats)

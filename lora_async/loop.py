@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import signal
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -99,6 +100,8 @@ class Run:
     background: set = field(default_factory=set)
     last_reward: float | None = None
     pulled_rewards: list[float] = field(default_factory=list)  # every group taken for this step
+    stop_requested: bool = False
+    warned_flat: bool = False
 
     @property
     def wall_s(self) -> float:
@@ -112,7 +115,15 @@ class Run:
 
     def out_of_budget(self) -> bool:
         budget = self.config.run.time_budget_s
-        return self.step >= self.config.run.max_steps or (budget is not None and self.wall_s >= budget)
+        return (self.stop_requested or self.step >= self.config.run.max_steps
+                or (budget is not None and self.wall_s >= budget))
+
+    def request_stop(self) -> None:
+        if self.stop_requested:
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        self.console.print("[yellow]stopping after this step (checkpoint follows); "
+                           "signal again to abort at once[/]")
 
     async def notify(self) -> None:
         async with self.admission:
@@ -122,10 +133,12 @@ class Run:
 # ---------------------------------------------------------------- the main loop
 
 
-async def train(config: TrainConfig, resume: bool = False, console: Console | None = None) -> dict[str, Any]:
-    """Run training to max_steps / time budget; return the summary."""
+async def train(config: TrainConfig, resume: bool = False, console: Console | None = None,
+                on_step: Callable[[Run], Any] | None = None) -> dict[str, Any]:
+    """Run training to max_steps / time budget / a stop signal; return the summary."""
     console = console or Console(stderr=True)
     run = await setup_run(config, resume, console)
+    _install_stop_signals(run)
     producers: list[asyncio.Task] = []
     try:
         await publish(run)
@@ -146,6 +159,8 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
             run.counters.skipped_nonfinite += int(stats.skipped_nonfinite)
             run.metrics.step(step_row(run, groups, stats, sync, marks))
             await after_step(run, stats)
+            if on_step is not None:
+                on_step(run)
         if run.fatal is not None:
             raise TrainingError(str(run.fatal)) from run.fatal
     finally:
@@ -183,12 +198,13 @@ async def collect_batch(run: Run) -> list[Group] | None:
         else:
             groups.append(group)
         if pulled >= MAX_PULL_FACTOR * cfg.groups_per_step:
-            if groups:
-                break
-            rewards = {s.reward for s in group.samples}
-            run.console.print(f"[yellow]no reward signal in the last {pulled} groups "
-                              f"(rewards all {sorted(rewards)}); still waiting[/]")
-            pulled = 0
+            # Rewards saturated (or flat): step with what there is, even nothing, so the run
+            # keeps its step budget and the metrics show it, instead of waiting forever.
+            if not groups and not run.warned_flat:
+                run.warned_flat = True
+                run.console.print(f"[yellow]no reward signal in the last {pulled} groups (every sample of "
+                                  f"a group scored the same, e.g. {group.rewards[0]}): steps make no update[/]")
+            break
     return groups
 
 
@@ -316,6 +332,16 @@ async def canary(run: Run) -> None:
 # ---------------------------------------------------------------- setup and teardown
 
 
+def _install_stop_signals(run: Run) -> None:
+    """SIGINT/SIGTERM stop after the current step with a checkpoint; a second one aborts."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, run.request_stop)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            return
+
+
 async def setup_run(config: TrainConfig, resume: bool, console: Console) -> Run:
     from transformers import AutoTokenizer
 
@@ -354,10 +380,10 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console) -> Run:
         return Learner(model_dir, adapters, config.learner, config.loss, learn_place,
                        config.generator.temperature, config.run.seed)
 
-    # Engine start (~30 s on CPU) and learner load overlap.
-    learner_future = loop.run_in_executor(pool, build_learner)
+    # One after the other: vLLM switches torch's process-wide default dtype while it builds
+    # its model, which would leak into a learner built at the same time.
     generator = await asyncio.to_thread(VllmGenerator, spec, gen_place)
-    learner = await learner_future
+    learner = await loop.run_in_executor(pool, build_learner)
     run = Run(config=config, out_dir=out_dir, console=console, adapter=config.adapter.name, task=task,
               tokenizer=tokenizer, generator=generator, learner=learner, learner_pool=pool,
               buffer=RolloutBuffer(config.buffer.max_tokens, config.buffer.max_staleness,
@@ -411,6 +437,11 @@ async def finish_run(run: Run) -> dict[str, Any]:
         summary["error"] = str(run.fatal)
     (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     run.console.print(summary_table(summary))
+    ends = {row["when"]: row for row in run.evals}
+    if "start" in ends and "end" in ends:
+        run.console.print(f"[bold]held-out greedy accuracy: {ends['start']['accuracy']:.2f} -> "
+                          f"{ends['end']['accuracy']:.2f}[/] (n={ends['end']['n']}, "
+                          f"{run.step} steps, {run.wall_s:.0f} s)")
     return summary
 
 
@@ -473,6 +504,7 @@ def step_row(run: Run, groups: list[Group], stats: StepStats, sync: dict | None,
         "gen_idle_frac": max(0.0, 1.0 - gen_busy / elapsed),
         "learner_idle_frac": max(0.0, 1.0 - stats.seconds / elapsed),
         "logprob_mismatch": ls.logprob_mismatch,
+        "logprob_mismatch_onpolicy": ls.onpolicy_mismatch,
         "skipped_nonfinite": run.counters.skipped_nonfinite,
         "reward_errors": run.task.stats.errors,
     }

@@ -32,6 +32,8 @@ class LossStats:
     clipped: int = 0
     kl_sum: float = 0.0
     mismatch_sum: float = 0.0  # |logp - behaviour_logp|
+    onpolicy_tokens: int = 0  # tokens of samples with policy_lag 0 ...
+    onpolicy_mismatch_sum: float = 0.0  # ... where any mismatch is numerics, not learning
 
     def merge(self, other: "LossStats") -> None:
         self.tokens += other.tokens
@@ -41,6 +43,8 @@ class LossStats:
         self.clipped += other.clipped
         self.kl_sum += other.kl_sum
         self.mismatch_sum += other.mismatch_sum
+        self.onpolicy_tokens += other.onpolicy_tokens
+        self.onpolicy_mismatch_sum += other.onpolicy_mismatch_sum
 
     @property
     def ratio_mean(self) -> float:
@@ -57,6 +61,10 @@ class LossStats:
     @property
     def logprob_mismatch(self) -> float:
         return self.mismatch_sum / self.tokens if self.tokens else 0.0
+
+    @property
+    def onpolicy_mismatch(self) -> float | None:
+        return self.onpolicy_mismatch_sum / self.onpolicy_tokens if self.onpolicy_tokens else None
 
 
 def policy_loss(

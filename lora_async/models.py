@@ -194,11 +194,16 @@ def build_tiny_model(
     layers: int = 2,
     hidden: int = 128,
     seed: int = 0,
+    frequent: str = "0123456789",
+    boost: float = 3.0,
 ) -> Path:
     """A random-weight Llama with a real tokenizer, for tests: builds in seconds.
 
     `head_dim` is 64 because vLLM's CPU attention supports it; the vocabulary is the
-    tokenizer's, so prompts and completions decode to real text.
+    tokenizer's, so prompts and completions decode to real text. A uniform random LM never
+    emits any particular token, so the output rows of the `frequent` characters are scaled
+    by `boost`: like a real LM's skewed token frequencies, they show up in a good share of
+    sampled completions, which gives RL tests a reward that is sometimes hit and learnable.
     """
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -215,7 +220,7 @@ def build_tiny_model(
         num_key_value_heads=1,
         head_dim=64,
         max_position_embeddings=1024,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -225,7 +230,11 @@ def build_tiny_model(
         initializer_range=0.2,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config)
+    ids = [i for i in tokenizer.convert_tokens_to_ids(list(frequent)) if i != tokenizer.unk_token_id]
+    with torch.no_grad():
+        model.lm_head.weight[ids] *= boost
+    model = model.to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

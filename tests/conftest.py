@@ -26,16 +26,3 @@ def tiny_model(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     from lora_async.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def engine(tiny_model: Path):
-    """One in-process vLLM engine for the whole test session (adapters 'a' and 'b')."""
-    from lora_async.generator.vllm_engine import EngineSpec, VllmGenerator
-    from lora_async.placement import Placement
-
-    spec = EngineSpec(model_dir=tiny_model, adapters=("a", "b", "c"), max_staleness=1, max_lora_rank=8,
-                      kv_cache_gb=0.25, max_model_len=512, seed=0)
-    generator = VllmGenerator(spec, Placement("cpu", None))
-    yield generator
-    generator.close()

@@ -20,6 +20,23 @@ from .helpers import PROMPTS, generate, random_adapter, submit_many
 
 pytestmark = pytest.mark.vllm
 
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    """One in-process vLLM engine for this module.
+
+    vLLM keeps its distributed state in process globals, so an in-process engine must not
+    outlive another one's shutdown: engines in one process are strictly one after another.
+    """
+    from lora_async.generator.vllm_engine import EngineSpec, VllmGenerator
+    from lora_async.placement import Placement
+
+    spec = EngineSpec(model_dir=tiny_model, adapters=("a", "b", "c"), max_staleness=1, max_lora_rank=8,
+                      kv_cache_gb=0.25, max_model_len=512, seed=0)
+    generator = VllmGenerator(spec, Placement("cpu", None))
+    yield generator
+    generator.close()
+
 GREEDY = dict(temperature=0.0, n=1)
 
 

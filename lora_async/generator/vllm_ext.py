@@ -44,14 +44,25 @@ def check_vllm_compat() -> str:
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
     from vllm.lora.request import LoRARequest
-    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
 
+    problems = compat_problems(LoRARequest, LoRAModel, LRUCacheWorkerLoRAManager, PEFTHelper)
+    if problems:
+        raise VllmCompatError(
+            f"vLLM {vllm.__version__} changed internals that lora-async's tensor hand-off uses "
+            f"(written for 0.32): " + "; ".join(problems)
+        )
+    return vllm.__version__
+
+
+def compat_problems(request_cls: Any, model_cls: Any, manager_cls: Any, helper_cls: Any) -> list[str]:
+    """What no longer matches in the given vLLM classes (empty when all is as expected)."""
     problems: list[str] = []
-    fields = getattr(LoRARequest, "__struct_fields__", ())
+    fields = getattr(request_cls, "__struct_fields__", ())
     for name in _REQUIRED_LORA_REQUEST_FIELDS:
         if name not in fields:
             problems.append(f"LoRARequest has no field {name!r} (fields: {fields})")
-    from_tensors = getattr(LoRAModel, "from_lora_tensors", None)
+    from_tensors = getattr(model_cls, "from_lora_tensors", None)
     if from_tensors is None:
         problems.append("LoRAModel.from_lora_tensors is gone")
     else:
@@ -59,30 +70,26 @@ def check_vllm_compat() -> str:
         for name in _REQUIRED_FROM_TENSORS_PARAMS:
             if name not in params:
                 problems.append(f"LoRAModel.from_lora_tensors lost parameter {name!r}")
-    load_adapter = getattr(WorkerLoRAManager, "_load_adapter", None)
+    load_adapter = getattr(manager_cls, "_load_adapter", None)
     if load_adapter is None:
         problems.append("WorkerLoRAManager._load_adapter is gone")
     else:
         params = tuple(inspect.signature(load_adapter).parameters)
         if params != _REQUIRED_LOAD_ADAPTER_PARAMS:
             problems.append(f"WorkerLoRAManager._load_adapter signature is now {params}")
-    if not hasattr(PEFTHelper, "from_dict") or not hasattr(PEFTHelper, "validate_legal"):
+    if not hasattr(helper_cls, "from_dict") or not hasattr(helper_cls, "validate_legal"):
         problems.append("PEFTHelper.from_dict / validate_legal are gone")
-    for cls in (LRUCacheWorkerLoRAManager,):
-        if not hasattr(cls, "add_adapter") or not hasattr(cls, "remove_adapter"):
-            problems.append(f"{cls.__name__} lost add_adapter/remove_adapter")
-    init_src = inspect.getsource(WorkerLoRAManager.__init__) + inspect.getsource(
-        WorkerLoRAManager.create_lora_manager
-    )
+    if not hasattr(manager_cls, "add_adapter") or not hasattr(manager_cls, "remove_adapter"):
+        problems.append(f"{manager_cls.__name__} lost add_adapter/remove_adapter")
+    init_src = ""
+    for klass in manager_cls.__mro__:
+        for meth in ("__init__", "create_lora_manager"):
+            if inspect.isfunction(vars(klass).get(meth)):
+                init_src += inspect.getsource(vars(klass)[meth])
     for attr in _REQUIRED_MANAGER_ATTRS:
         if f"self.{attr}" not in init_src:
             problems.append(f"WorkerLoRAManager no longer sets self.{attr}")
-    if problems:
-        raise VllmCompatError(
-            f"vLLM {vllm.__version__} changed internals that lora-async's tensor hand-off uses "
-            f"(written for 0.32): " + "; ".join(problems)
-        )
-    return vllm.__version__
+    return problems
 
 
 def _build_lora_model(manager: Any, int_id: int, tensors: dict, peft_config: dict) -> Any:

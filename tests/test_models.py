@@ -1,0 +1,39 @@
+"""Model resolution: embedded default, local directories, clear errors."""
+
+import pytest
+
+from lora_async.models import ModelError, build_tiny_model, resolve_model
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(ModelError, match="smollm2-135m"):
+        resolve_model("no-such-model")
+
+
+def test_local_directory_resolves(tiny_model):
+    assert resolve_model(str(tiny_model)) == tiny_model.resolve()
+
+
+def test_directory_without_config_is_an_error(tmp_path):
+    with pytest.raises(ModelError, match="config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_tiny_model_builds_quickly_and_is_cached(tokenizer_dir, tmp_path):
+    import time
+
+    started = time.time()
+    path = build_tiny_model(tmp_path / "t", tokenizer_dir)
+    assert time.time() - started < 60
+    assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    assert build_tiny_model(tmp_path / "t", tokenizer_dir) == path
+
+
+@pytest.mark.slow
+def test_embedded_default_builds_and_answers(capsys):
+    """The GGUF -> bf16 HF conversion, with its own greedy self-check (cached after once)."""
+    from lora_async.models import greedy_check
+
+    path = resolve_model("smollm2-135m")
+    assert (path / "model.safetensors").is_file() and (path / ".complete").is_file()
+    assert "Paris" in greedy_check(path, "What is the capital of France?")

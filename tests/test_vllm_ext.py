@@ -1,0 +1,102 @@
+"""The vLLM extension: fails loudly when the internals it uses change; fast ops are exact."""
+
+import inspect
+
+import pytest
+import torch
+
+from lora_async.generator import vllm_ext
+from lora_async.generator.vllm_ext import VllmCompatError, check_vllm_compat
+
+
+def test_vllm_internals_we_rely_on_are_unchanged():
+    """If this fails, vLLM moved `_load_adapter`, `from_lora_tensors` or `LoRARequest` fields:
+    the tensor hand-off in vllm_ext.py must be re-checked against the new vLLM."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    assert check_vllm_compat().startswith("0.")
+    assert tuple(inspect.signature(WorkerLoRAManager._load_adapter).parameters) == ("self", "lora_request")
+    params = inspect.signature(LoRAModel.from_lora_tensors).parameters
+    assert list(params)[:4] == ["lora_model_id", "tensors", "peft_helper", "device"]
+    assert LoRARequest.__struct_fields__[:3] == ("lora_name", "lora_int_id", "lora_path")
+
+
+def test_compat_check_detects_a_changed_signature(monkeypatch):
+    from vllm.lora.lora_model import LoRAModel
+
+    def from_lora_tensors(cls, lora_model_id, tensors, peft_helper):  # an imagined future vLLM
+        raise AssertionError
+
+    monkeypatch.setattr(LoRAModel, "from_lora_tensors", classmethod(from_lora_tensors))
+    with pytest.raises(VllmCompatError, match="from_lora_tensors lost parameter 'device'"):
+        check_vllm_compat()
+
+
+def test_compat_check_detects_changed_request_fields():
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+
+    class FutureLoRARequest:  # fields renamed in an imagined future vLLM
+        __struct_fields__ = ("name", "adapter_id", "path")
+
+    problems = vllm_ext.compat_problems(FutureLoRARequest, LoRAModel, LRUCacheWorkerLoRAManager, PEFTHelper)
+    assert any("lora_int_id" in p for p in problems)
+    assert not vllm_ext.compat_problems(type("R", (), {"__struct_fields__": ("lora_name", "lora_int_id",
+                                                                             "lora_path")}),
+                                        LoRAModel, LRUCacheWorkerLoRAManager, PEFTHelper)
+
+
+@pytest.mark.parametrize("op", ["shrink", "expand", "expand_slice"])
+@pytest.mark.parametrize("pattern", ["single", "mixed", "with_base"])
+def test_grouped_cpu_lora_ops_equal_vllms(op, pattern):
+    from vllm.lora.ops import torch_ops as ref
+
+    torch.manual_seed(0)
+    tokens, slots, rank, width = 37, 4, 8, 96
+    indices = {"single": torch.full((tokens,), 2), "mixed": torch.randint(0, slots, (tokens,)),
+               "with_base": torch.randint(-1, slots, (tokens,))}[pattern]
+    if op == "shrink":
+        x = torch.randn(tokens, width, dtype=torch.bfloat16)
+        w = torch.randn(slots, 1, rank, width, dtype=torch.bfloat16)
+        out_ref = torch.zeros(tokens, rank)
+        out_new = out_ref.clone()
+        ref.bgmv_shrink(x, w, out_ref, indices, 0.5)
+        vllm_ext.bgmv_shrink(x, w, out_new, indices, 0.5)
+    else:
+        x = torch.randn(tokens, rank)
+        w = torch.randn(slots, 1, width, rank, dtype=torch.bfloat16)
+        out_ref = torch.randn(tokens, width + 16, dtype=torch.bfloat16)
+        out_new = out_ref.clone()
+        if op == "expand":
+            ref.bgmv_expand(x, w, out_ref, indices, True)
+            vllm_ext.bgmv_expand(x, w, out_new, indices, True)
+        else:
+            ref.bgmv_expand_slice(x, w, out_ref, indices, 8, width, True)
+            vllm_ext.bgmv_expand_slice(x, w, out_new, indices, 8, width, True)
+    torch.testing.assert_close(out_new, out_ref, rtol=1e-2, atol=1e-2)
+
+
+def test_sgmv_ops_explode_per_sequence():
+    from vllm.lora.ops import torch_ops as ref
+
+    torch.manual_seed(1)
+    seq_lens = torch.tensor([3, 5, 2])
+    lora_idx = torch.tensor([1, -1, 0])
+    x = torch.randn(10, 64)
+    w = torch.randn(3, 1, 8, 64)
+    a, b = torch.zeros(10, 8), torch.zeros(10, 8)
+    args = (torch.tensor([0, 3, 8]), seq_lens, lora_idx, 3, 5, 10, 1.0)
+    ref.sgmv_shrink(x, w, a, *args)
+    vllm_ext.sgmv_shrink(x, w, b, *args)
+    torch.testing.assert_close(a, b)
+
+
+def test_fast_ops_are_installed_into_vllms_cpu_wrapper():
+    import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
+
+    assert vllm_ext.install_fast_cpu_lora_ops()
+    assert punica_cpu.bgmv_shrink is vllm_ext.bgmv_shrink
+    assert punica_cpu.sgmv_expand_slice is vllm_ext.sgmv_expand_slice
