@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import math
 import signal
 import statistics
 import time
@@ -35,8 +36,10 @@ from .metrics import MetricsWriter, summary_table, truncate_metrics
 from .placement import Placement, pin_current_thread, resolve
 from .tasks import Task, make_task, render_prompt
 
-TAKE_POLL_S = 1.0  # how often a waiting learner re-checks the time budget and producer health
+TAKE_POLL_S = 1.0
+ADMISSION_POLL_S = 0.25  # producers re-check admission at least this often  # how often a waiting learner re-checks the time budget and producer health
 MAX_PULL_FACTOR = 4  # a step takes what it has after pulling this many batches' worth of groups
+INFORMATIVE_EMA = 0.1  # smoothing of the share of groups with a reward signal (admission uses it)
 CANARY_WARN_NATS = 0.5  # mean |generator - learner| logprob on the probe that means "not applied"
 
 
@@ -102,6 +105,12 @@ class Run:
     pulled_rewards: list[float] = field(default_factory=list)  # every group taken for this step
     stop_requested: bool = False
     warned_flat: bool = False
+    informative_rate: float = 1.0  # running share of groups with a reward signal
+
+    def groups_consumed_per_step(self) -> int:
+        """Groups a step takes from the buffer: groups_per_step, plus the flat ones it skips."""
+        per_step = self.config.learner.groups_per_step
+        return math.ceil(per_step / max(self.informative_rate, 1 / MAX_PULL_FACTOR))
 
     @property
     def wall_s(self) -> float:
@@ -183,13 +192,17 @@ async def collect_batch(run: Run) -> list[Group] | None:
     while len(groups) < cfg.groups_per_step:
         if run.fatal is not None or run.out_of_budget():
             return None
+        dropped = run.buffer.counters.dropped_stale
         try:
             group = await asyncio.wait_for(run.buffer.take(run.adapter, run.published), TAKE_POLL_S)
         except asyncio.TimeoutError:
+            if run.buffer.counters.dropped_stale != dropped:
+                await run.notify()  # stale groups left the queue: producers may start again
             continue
         await run.notify()
         pulled += 1
         run.pulled_rewards.extend(group.rewards)
+        run.informative_rate += INFORMATIVE_EMA * (float(group.informative or keep_all) - run.informative_rate)
         if not group.informative and not keep_all:
             run.counters.zero_adv_groups += 1
         elif groups and run.learner.micro_batches_needed(_samples(groups + [group])) > cfg.micro_batches_per_step:
@@ -209,14 +222,32 @@ async def collect_batch(run: Run) -> list[Group] | None:
 
 
 async def produce(run: Run) -> None:
-    """One producer: start a group when admitted, score it, put it in the buffer. Forever."""
+    """One producer: start a group when admitted, score it, put it in the buffer. Forever.
+
+    An unexpected error ends the run with that error (a silent dead producer would hang it).
+    """
+    try:
+        await _produce(run)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        run.console.print_exception(show_locals=False)
+        run.fatal = TrainingError(f"a rollout producer failed: {type(exc).__name__}: {exc}")
+
+
+async def _produce(run: Run) -> None:
     cfg = run.config
-    gen = cfg.generator
     while not run.stopping:
         async with run.admission:
-            await run.admission.wait_for(lambda: run.stopping or may_start(
-                run.learner_busy, run.in_flight + run.buffer.groups() + len(run.carry),
-                cfg.learner.groups_per_step, cfg.buffer.max_staleness))
+            # Re-checked on every notify, and every ADMISSION_POLL_S as a safety net: the buffer
+            # drops stale groups inside `take`, which changes the queue without a notify.
+            while not (run.stopping or may_start(
+                    run.learner_busy, run.in_flight + run.buffer.groups() + len(run.carry),
+                    run.groups_consumed_per_step(), cfg.buffer.max_staleness)):
+                try:
+                    await asyncio.wait_for(run.admission.wait(), ADMISSION_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
         if run.stopping:
             return
         index = run.next_problem

@@ -117,6 +117,7 @@ def bench_sync(
 def bench_e2e(
     config: Path = typer.Argument(Path("examples/arithmetic.toml"), help=CONFIG_HELP),
     budget: float = typer.Option(300.0, "--budget", help="Wall-clock seconds of training per mode."),
+    eval_every: int = typer.Option(2, "--eval-every", help="Held-out eval every N steps."),
     out: Path = typer.Option(Path("runs/bench-e2e"), "--out", help="Where the two runs go."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     as_json: bool = typer.Option(False, "--json"),
@@ -125,7 +126,7 @@ def bench_e2e(
     cfg = load_or_exit(config, set_)
     from ..bench.e2e import run_e2e_bench
 
-    report = run_e2e_bench(cfg, budget, out)
+    report = run_e2e_bench(cfg, budget, out, eval_every, config)
     print(json.dumps(report, indent=None if as_json else 2))
 
 

@@ -24,7 +24,8 @@ from ..placement import Placement, pin_current_thread
 from ..sync.pack import PackedAdapter, pack, unpack_views
 from .registry import LiveVersion, VersionRegistry
 from .types import AdapterVersion, GenRequest, GenResult, PublishStats, Sample
-from .validate import AdapterError, BaseShapes, validate_adapter
+from .validate import (AdapterError, BaseShapes, adapter_signature, check_finite, check_finite_all,
+                       validate_adapter)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class VllmGenerator:
         self.placement = placement
         self.registry = VersionRegistry(spec.max_staleness, spec.max_cpu_loras)
         self.shapes = BaseShapes.from_model_dir(spec.model_dir)
+        self._validated: set[tuple] = set()  # adapter structures (names, shapes) already checked
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
@@ -98,17 +100,32 @@ class VllmGenerator:
         self._commands.put(("submit", request, on_done))
 
     def publish(self, version: AdapterVersion) -> PublishStats:
-        """Validate, pack (owned copy in the serving dtype) and register. Blocks until servable."""
+        """Validate and register a version from in-memory tensors. Blocks until servable.
+
+        vLLM keeps (and scales in place) the tensors it is given, so it must get copies it owns:
+        tensors in another dtype than the serving one are cast by vLLM into fresh tensors;
+        tensors already in the serving dtype are packed into a fresh buffer first.
+        """
         self._check_alive()
         started = time.perf_counter()
+        serving = _torch_dtype(self.spec.dtype)
+        name = f"{version.adapter}@v{version.version}"
         try:
-            validate_adapter(version, self.shapes, self.spec.max_lora_rank)
+            signature = adapter_signature(version)
+            if signature not in self._validated:  # structure: checked once per names and shapes
+                validate_adapter(version, self.shapes, self.spec.max_lora_rank, check_values=False)
+                self._validated.add(signature)
             self.registry.check_new(version.adapter, version.version)
+            if all(t.dtype != serving for t in version.tensors.values()):
+                check_finite_all(name, list(version.tensors.values()))
+                payload: Any = version
+            else:
+                payload = pack(version, dtype=serving)
+                check_finite(name, payload.buffer.view(serving))
         except Exception:
             self.stats["rejected_versions"] += 1
             raise
-        packed = pack(version, dtype=_torch_dtype(self.spec.dtype))
-        return self._call("publish", packed, started)
+        return self._call("publish", payload, started)
 
     def publish_packed(self, packed: PackedAdapter, started: float | None = None) -> PublishStats:
         """Register an already packed version (used by transports that unpacked it themselves)."""
@@ -279,22 +296,25 @@ class VllmGenerator:
             raise GeneratorDead("generator is closed")
 
     # ---- versions
-    def _register(self, packed: PackedAdapter, started: float) -> PublishStats:
+    def _register(self, payload: PackedAdapter | AdapterVersion, started: float) -> PublishStats:
         registry = self.registry
-        registry.check_new(packed.adapter, packed.version)
+        registry.check_new(payload.adapter, payload.version)
         if registry.is_full():
             self._evict(registry.oldest_outside_window())
         int_id = registry.reserve_id()
-        tensors = unpack_views(packed)  # packed buffers handed to us are owned copies
-        self._engine.collective_rpc("lora_async_add_tensors", args=(int_id, tensors, packed.peft_config))
-        live = registry.add(packed.adapter, packed.version, int_id)
+        if isinstance(payload, AdapterVersion):
+            tensors = payload.tensors  # another dtype than the serving one: vLLM casts (copies)
+        else:  # a packed buffer handed to us is an owned copy; reuse the views made packing it
+            tensors = payload.views if payload.views is not None else unpack_views(payload)
+        self._engine.collective_rpc("lora_async_add_tensors", args=(int_id, tensors, payload.peft_config))
+        live = registry.add(payload.adapter, payload.version, int_id)
         retired = [self._retire(old) for old in registry.retirable()]
         return PublishStats(
-            adapter=packed.adapter,
-            version=packed.version,
+            adapter=payload.adapter,
+            version=payload.version,
             vllm_name=live.vllm_name,
             int_id=live.int_id,
-            bytes=packed.nbytes,
+            bytes=payload.nbytes,
             ms=(time.perf_counter() - started) * 1000,
             retired=retired,
         )

@@ -167,10 +167,11 @@ class LoraAsyncWorkerExtension:
         return sorted(self._lora_async_manager().list_adapters())
 
     def lora_async_load_base_weights(self, state_dict: dict) -> int:
-        """Push a full base state dict through the model's `load_weights` (benchmark only)."""
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        loaded = model.load_weights(iter(state_dict.items()))
-        return len(loaded) if loaded is not None else len(state_dict)
+        """A full-weight sync, for comparison (benchmark only): the whole base state dict goes
+        through vLLM's in-place reload (`load_weights` plus kernel re-processing). vLLM drops
+        its LoRA state afterwards, so the generator must not be used for adapters after this."""
+        self.model_runner.reload_weights(weights_iterator=iter(state_dict.items()))  # type: ignore[attr-defined]
+        return len(state_dict)
 
     def lora_async_add_bytes(self, int_id: int, payload: bytes, peft_config: dict) -> int:
         """Register from `safetensors.torch.save` bytes (crosses a process boundary intact)."""

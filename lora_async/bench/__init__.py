@@ -1,0 +1,1 @@
+"""Benchmarks behind `lora-async bench`: figures are recorded in bench/RESULTS.md."""

@@ -1,0 +1,20 @@
+"""Run one training from a resolved JSON config (what `bench` writes for each of its runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from ..config import TrainConfig
+from ..loop import train
+
+
+def main(path: str) -> None:
+    config = TrainConfig.model_validate(json.loads(Path(path).read_text()))
+    asyncio.run(train(config))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
