@@ -26,10 +26,11 @@ KEEP = 2  # checkpoints kept on disk (the newest and one before it)
 
 @dataclass
 class RunState:
-    step: int
+    step: int  # learner steps of the whole run (all adapters)
+    steps: dict[str, int]  # per adapter: its learner steps
     next_problem: dict[str, int]  # per adapter: index of the next training problem to draw
     wall_s: float
-    counters: dict[str, Any]
+    counters: dict[str, dict[str, Any]]  # per adapter
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -56,6 +57,7 @@ def save_checkpoint(out_dir: Path, state: RunState, learner: Any) -> Path:
             versions[adapter] = learner.version(adapter)
         payload = {
             "step": state.step,
+            "steps": state.steps,
             "versions": versions,
             "next_problem": state.next_problem,
             "wall_s": state.wall_s,
@@ -97,7 +99,8 @@ def load_checkpoint(path: Path, learner: Any) -> RunState:
         learner.load_state_dict(adapter, torch.load(path / f"{adapter}.optim.pt", weights_only=False))
     random.setstate(_py_rng_from_json(payload["rng"]["python"]))
     torch.set_rng_state(torch.tensor(payload["rng"]["torch"], dtype=torch.uint8))
-    return RunState(payload["step"], payload["next_problem"], payload["wall_s"], payload["counters"])
+    return RunState(payload["step"], payload["steps"], payload["next_problem"], payload["wall_s"],
+                    payload["counters"])
 
 
 def checkpoint_tensors(path: Path, adapter: str) -> dict[str, torch.Tensor]:

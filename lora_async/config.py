@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -227,9 +228,53 @@ class AdapterConfig(_Section):
         return value
 
 
+class GenerationOverrides(_Section):
+    """Per-adapter generation settings in a fleet (unset fields use [generator])."""
+
+    max_new_tokens: int | None = Field(None, ge=1, le=32768, description="Completion length limit.")
+    temperature: float | None = Field(None, gt=0.0, le=10.0, description="Sampling temperature.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    samples_per_prompt: int | None = Field(None, ge=2, le=256, description="Completions per prompt.")
+
+
+class FleetAdapter(AdapterConfig):
+    """One adapter of a fleet: its own task, reward, LoRA shape, learning rate and share."""
+
+    task: TaskConfig = Field(..., description="This adapter's task and reward.")
+    lora: LoraConfig | None = Field(None, description="LoRA shape (unset: the top-level [lora]).")
+    lr: float | None = Field(None, gt=0.0, le=1.0, description="Learning rate (unset: learner.lr).")
+    weight: float = Field(1.0, gt=0.0, le=1000.0, description="Share of generation capacity.")
+    generation: GenerationOverrides = Field(default_factory=GenerationOverrides)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_task_type(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("task"), dict):
+            data["task"].setdefault("type", "arithmetic")
+        return data
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One adapter as the run sees it, with fleet overrides resolved."""
+
+    name: str
+    task: Any  # ArithmeticTask | JsonlTask
+    lora: LoraConfig
+    lr: float
+    weight: float
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    samples_per_prompt: int
+
+
 class TrainConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    adapters: list[FleetAdapter] | None = Field(
+        None, description="A fleet: several adapters trained at once (instead of [adapter]+[task])."
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig)
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
@@ -253,12 +298,46 @@ class TrainConfig(_Section):
                 "generator.max_new_tokens must be below generator.max_model_len "
                 "(raise max_model_len or lower max_new_tokens)"
             )
+        if self.adapters is not None:
+            if not self.adapters:
+                raise ValueError("adapters: a fleet needs at least one [[adapters]] entry")
+            clash = {"adapter", "task"} & self.model_fields_set
+            if clash:
+                raise ValueError(f"{sorted(clash)[0]}: give either [{sorted(clash)[0]}] or [[adapters]], "
+                                 "not both (each fleet entry has its own name and task)")
+            seen: dict[str, int] = {}
+            for i, entry in enumerate(self.adapters):
+                if entry.name in seen:
+                    raise ValueError(f"adapters.{i}.name: duplicate adapter name {entry.name!r} "
+                                     f"(also adapters.{seen[entry.name]}.name)")
+                seen[entry.name] = i
+                limit = entry.generation.max_new_tokens or self.generator.max_new_tokens
+                if limit >= self.generator.max_model_len:
+                    raise ValueError(f"adapters.{i}.generation.max_new_tokens must be below "
+                                     "generator.max_model_len")
         return self
 
     # ---- derived values (never written back) ----
     @property
+    def adapter_specs(self) -> list[AdapterSpec]:
+        """Every adapter of the run, overrides resolved (one entry for a single-adapter run)."""
+        gen = self.generator
+        if self.adapters is None:
+            return [AdapterSpec(self.adapter.name, self.task, self.lora, self.learner.lr, 1.0,
+                                gen.max_new_tokens, gen.temperature, gen.top_p, gen.samples_per_prompt)]
+        specs = []
+        for entry in self.adapters:
+            o = entry.generation
+            specs.append(AdapterSpec(
+                entry.name, entry.task, entry.lora or self.lora, entry.lr or self.learner.lr, entry.weight,
+                o.max_new_tokens or gen.max_new_tokens, o.temperature or gen.temperature,
+                o.top_p or gen.top_p, o.samples_per_prompt or gen.samples_per_prompt,
+            ))
+        return specs
+
+    @property
     def adapter_names(self) -> list[str]:
-        return [self.adapter.name]
+        return [spec.name for spec in self.adapter_specs]
 
     @property
     def versions_per_adapter(self) -> int:
@@ -276,7 +355,7 @@ class TrainConfig(_Section):
 
     @property
     def max_lora_rank(self) -> int:
-        return vllm_rank(self.lora.rank)
+        return vllm_rank(max(spec.lora.rank for spec in self.adapter_specs))
 
 
 def vllm_rank(rank: int) -> int:
@@ -312,6 +391,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
             msg += f" (got {err['input']!r})"
     more = len(exc.errors()) - 1
     suffix = f" [+{more} more]" if more else ""
+    if field == "(root)" and re.match(r"^[a-z_][\w.]*[: ]", msg):
+        return f"{source}: {msg}{suffix}"  # a cross-field check names its own dotted fields
     return f"{source}: {field}: {msg}{suffix}"
 
 
@@ -362,14 +443,16 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] = ()) 
         config = TrainConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source)) from None
-    task = config.task
-    if isinstance(task, JsonlTask):
-        task_path = Path(task.path)
-        if not task_path.is_absolute() and path is not None:
-            task_path = Path(path).parent / task_path
-        if not task_path.is_file():
-            raise ConfigError(f"{source}: task.path: file not found: {task.path}")
-        config.task.path = str(task_path.resolve())
+    tasks = [("task", config.task)] if config.adapters is None else [
+        (f"adapters.{i}.task", entry.task) for i, entry in enumerate(config.adapters)]
+    for field_name, task in tasks:
+        if isinstance(task, JsonlTask):
+            task_path = Path(task.path)
+            if not task_path.is_absolute() and path is not None:
+                task_path = Path(path).parent / task_path
+            if not task_path.is_file():
+                raise ConfigError(f"{source}: {field_name}.path: file not found: {task.path}")
+            task.path = str(task_path.resolve())
     return config
 
 

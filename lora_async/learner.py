@@ -223,14 +223,17 @@ class Learner:
 
     def __init__(self, model_dir: Path, adapters: dict[str, tuple[LoraConfig, float]],
                  learner: LearnerConfig, loss: LossConfig, placement: Placement,
-                 temperature: float, seed: int) -> None:
+                 temperature: float | dict[str, float], seed: int) -> None:
+        """`adapters`: name -> (LoRA shape, learning rate); `temperature`: the sampling
+        temperature of the generator (per adapter in a fleet), so logprobs match vLLM's."""
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = learner
         self.loss_cfg = loss
-        self.temperature = temperature
+        self.temperatures = (dict(temperature) if isinstance(temperature, dict)
+                             else {name: float(temperature) for name in adapters})
         self.device = torch.device(placement.device)
         torch.manual_seed(seed)
         # sdpa takes the boolean 4-D prompt-tree masks built in `build_micro_batch` as they are.
@@ -303,14 +306,29 @@ class Learner:
             mb = build_micro_batch(samples, rows, self.pad_id, self.device)
             if adapter is None:
                 with self.model.disable_adapter():
-                    flat = completion_logprobs(self.model, mb, self.temperature, self.cfg.logprob_chunk)
+                    flat = completion_logprobs(self.model, mb, 1.0, self.cfg.logprob_chunk)
             else:
                 self.model.set_adapter(adapter)
-                flat = completion_logprobs(self.model, mb, self.temperature, self.cfg.logprob_chunk)
+                flat = completion_logprobs(self.model, mb, self.temperatures[adapter], self.cfg.logprob_chunk)
             order = [i for row in rows for i in row]
             for i, piece in zip(order, flat.split(mb.lengths)):
                 result[i] = piece.float().tolist()
         return result
+
+    def snapshot_logprobs(self, version: AdapterVersion, samples: list[TrainSample]) -> list[list[float]]:
+        """Logprobs under a snapshot of an adapter version (e.g. the one just published), held in a
+        spare slot so the live adapter and its optimizer are untouched."""
+        from peft import set_peft_model_state_dict
+
+        slot = f"{version.adapter}-snapshot"
+        if slot not in self.model.peft_config:
+            self.model.add_adapter(slot, self.peft_configs[version.adapter])
+            self.temperatures[slot] = self.temperatures[version.adapter]
+        set_peft_model_state_dict(self.model, version.tensors, adapter_name=slot)
+        try:
+            return self.logprobs(slot, samples)
+        finally:
+            self.model.set_adapter(version.adapter)
 
     def _trainable(self, samples: list[TrainSample]) -> list[TrainSample]:
         # Samples with zero advantage contribute no gradient (unless KL needs them): skip them.
@@ -324,7 +342,11 @@ class Learner:
     def train_step(self, adapter: str, samples: list[TrainSample]) -> StepStats:
         started = time.perf_counter()
         state = self.adapters[adapter]
+        strangers = {s.adapter for s in samples} - {adapter}
+        if strangers:  # fleet isolation: one adapter's data never trains another
+            raise ValueError(f"train_step({adapter!r}) got samples of {sorted(strangers)}")
         self.model.set_adapter(adapter)
+        temperature = self.temperatures[adapter]
         kl_coef = self.loss_cfg.kl_coef
         trained = self._trainable(samples)
         total_tokens = sum(len(s.completion_ids) for s in trained)
@@ -336,11 +358,11 @@ class Learner:
         for rows in plan:
             mb = build_micro_batch(trained, rows, self.pad_id, self.device)
             padded += mb.padded_tokens
-            logp = completion_logprobs(self.model, mb, self.temperature, self.cfg.logprob_chunk)
+            logp = completion_logprobs(self.model, mb, temperature, self.cfg.logprob_chunk)
             ref = None
             if kl_coef > 0:
                 with torch.no_grad(), self.model.disable_adapter():
-                    ref = completion_logprobs(self.model, mb, self.temperature, self.cfg.logprob_chunk)
+                    ref = completion_logprobs(self.model, mb, temperature, self.cfg.logprob_chunk)
             loss_sum, mb_stats = policy_loss(
                 logp, mb.behaviour, mb.advantages, None, self.loss_cfg.type,
                 clip_eps=self.loss_cfg.clip_eps, ratio_cap=self.loss_cfg.ratio_cap,

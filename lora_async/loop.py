@@ -6,6 +6,9 @@
     RolloutBuffer (token-bounded) --groups--> learner thread (peft) --step--> new version
 
 Threads: the asyncio loop (this module), the engine thread (generator), the learner thread.
+Every adapter of a fleet has its own producers (as many as its weight's share of
+`groups_in_flight`), its own batch collector, optimizer, version counter and step count; the
+learner holds the base once and steps whichever adapter's batch is ready first.
 Synchronous training is this same loop with `buffer.max_staleness = 0`: the admission rule
 below then lets producers start only while the learner waits for data.
 """
@@ -28,16 +31,16 @@ from rich.console import Console
 from .adapters import AdapterStore
 from .buffer import Group, RolloutBuffer, TrainSample, group_advantages
 from .checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import TrainConfig, dump_config
+from .config import AdapterSpec, TrainConfig, dump_config
 from .evaluate import EvalResult, asyncio_generate, evaluate
-from .generator.types import GenRequest
+from .generator.types import AdapterVersion, GenRequest
 from .learner import Learner, StepStats
 from .metrics import MetricsWriter, summary_table, truncate_metrics
 from .placement import Placement, pin_current_thread, resolve
 from .tasks import Task, make_task, render_prompt
 
-TAKE_POLL_S = 1.0
-ADMISSION_POLL_S = 0.25  # producers re-check admission at least this often  # how often a waiting learner re-checks the time budget and producer health
+TAKE_POLL_S = 1.0  # how often a waiting collector re-checks the time budget and producer health
+ADMISSION_POLL_S = 0.25  # producers re-check admission at least this often
 MAX_PULL_FACTOR = 4  # a step takes what it has after pulling this many batches' worth of groups
 INFORMATIVE_EMA = 0.1  # smoothing of the share of groups with a reward signal (admission uses it)
 CANARY_WARN_NATS = 0.5  # mean |generator - learner| logprob on the probe that means "not applied"
@@ -57,6 +60,12 @@ def may_start(learner_busy: bool, queued_groups: int, groups_per_step: int, max_
     return int(learner_busy) + queued_groups // groups_per_step <= max_staleness
 
 
+def producer_quota(weights: dict[str, float], groups_in_flight: int) -> dict[str, int]:
+    """Producers per adapter: groups in flight shared by weight, at least one each."""
+    total = sum(weights.values())
+    return {name: max(1, round(groups_in_flight * w / total)) for name, w in weights.items()}
+
+
 @dataclass
 class Counters:
     groups_started: int = 0
@@ -71,46 +80,60 @@ class Counters:
 
 
 @dataclass
+class AdapterRun:
+    """One adapter's share of a run: task, position, versions, counters."""
+
+    spec: AdapterSpec
+    task: Task
+    step: int = 0
+    next_problem: int = 0
+    published: int = -1
+    busy: bool = False  # the learner is training or publishing this adapter
+    in_flight: int = 0
+    carry: list[Group] = field(default_factory=list)
+    pulled_rewards: list[float] = field(default_factory=list)  # every group taken for this step
+    informative_rate: float = 1.0  # running share of groups with a reward signal
+    counters: Counters = field(default_factory=Counters)
+    last_reward: float | None = None
+    warned_flat: bool = False
+    marks: dict[str, float] = field(default_factory=dict)
+    trained: asyncio.Event = field(default_factory=asyncio.Event)
+    publishing: asyncio.Task | None = None  # the newest version's hand-off (and metrics line)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def groups_consumed_per_step(self, groups_per_step: int) -> int:
+        """Groups a step takes from the buffer: groups_per_step, plus the flat ones it skips."""
+        return math.ceil(groups_per_step / max(self.informative_rate, 1 / MAX_PULL_FACTOR))
+
+
+@dataclass
 class Run:
-    """Everything one training run holds. Built by `setup_run`, torn down by `close_run`."""
+    """Everything one training run holds. Built by `setup_run`, torn down by `finish_run`."""
 
     config: TrainConfig
     out_dir: Path
     console: Console
-    adapter: str
-    task: Task
+    adapters: dict[str, AdapterRun]
     tokenizer: Any
     generator: Any
     learner: Learner
     learner_pool: concurrent.futures.ThreadPoolExecutor
     buffer: RolloutBuffer
-    metrics: MetricsWriter
     store: AdapterStore
     placements: tuple[Placement, Placement]
-    step: int = 0
-    next_problem: int = 0
-    published: int = -1
-    learner_busy: bool = False
-    in_flight: int = 0
+    metrics: MetricsWriter | None = None
+    global_step: int = 0
     wall_offset: float = 0.0
     started: float = field(default_factory=time.perf_counter)
-    counters: Counters = field(default_factory=Counters)
-    carry: list[Group] = field(default_factory=list)
     fatal: BaseException | None = None
     stopping: bool = False
+    stop_requested: bool = False
     admission: asyncio.Condition = field(default_factory=asyncio.Condition)
     evals: list[dict] = field(default_factory=list)
     background: set = field(default_factory=set)
-    last_reward: float | None = None
-    pulled_rewards: list[float] = field(default_factory=list)  # every group taken for this step
-    stop_requested: bool = False
-    warned_flat: bool = False
-    informative_rate: float = 1.0  # running share of groups with a reward signal
-
-    def groups_consumed_per_step(self) -> int:
-        """Groups a step takes from the buffer: groups_per_step, plus the flat ones it skips."""
-        per_step = self.config.learner.groups_per_step
-        return math.ceil(per_step / max(self.informative_rate, 1 / MAX_PULL_FACTOR))
 
     @property
     def wall_s(self) -> float:
@@ -122,10 +145,16 @@ class Run:
     def generate(self, request: GenRequest) -> Any:
         return asyncio_generate(self.generator)(request)
 
-    def out_of_budget(self) -> bool:
+    def out_of_time(self) -> bool:
         budget = self.config.run.time_budget_s
-        return (self.stop_requested or self.step >= self.config.run.max_steps
-                or (budget is not None and self.wall_s >= budget))
+        return self.stop_requested or (budget is not None and self.wall_s >= budget)
+
+    def finished(self, adapter: AdapterRun | None = None) -> bool:
+        """Out of time, or this adapter (or every adapter) has done its max_steps."""
+        steps = self.config.run.max_steps
+        if adapter is not None:
+            return self.out_of_time() or adapter.step >= steps
+        return self.out_of_time() or all(a.step >= steps for a in self.adapters.values())
 
     def request_stop(self) -> None:
         if self.stop_requested:
@@ -148,216 +177,281 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
     console = console or Console(stderr=True)
     run = await setup_run(config, resume, console)
     _install_stop_signals(run)
-    producers: list[asyncio.Task] = []
+    tasks: list[asyncio.Task] = []
     try:
-        await publish(run)
+        for adapter in run.adapters.values():
+            await publish_current(run, adapter)
         if config.run.eval_at_start:
-            await eval_event(run, "start")
-        producers = [asyncio.create_task(produce(run)) for _ in range(config.generator.groups_in_flight)]
-        while not run.out_of_budget():
-            marks = _marks(run)
-            groups = await collect_batch(run)
-            if groups is None:  # out of time while waiting, or a producer failed
-                break
-            run.learner_busy = True
-            stats: StepStats = await run.in_learner(run.learner.train_step, run.adapter, _samples(groups))
-            sync = await publish(run) if stats.updated else None
-            run.learner_busy = False
-            await run.notify()
-            run.step += 1
-            run.counters.skipped_nonfinite += int(stats.skipped_nonfinite)
-            run.metrics.step(step_row(run, groups, stats, sync, marks))
-            await after_step(run, stats)
+            await asyncio.gather(*(eval_event(run, a, "start") for a in run.adapters.values()))
+        ready: asyncio.Queue = asyncio.Queue()
+        quota = producer_quota({n: a.spec.weight for n, a in run.adapters.items()},
+                               config.generator.groups_in_flight)
+        tasks = [asyncio.create_task(produce(run, a)) for a in run.adapters.values() for _ in range(quota[a.name])]
+        tasks += [asyncio.create_task(collect_loop(run, a, ready)) for a in run.adapters.values()]
+        while not run.finished() and run.fatal is None:
+            try:
+                adapter, groups = await asyncio.wait_for(ready.get(), TAKE_POLL_S)
+            except asyncio.TimeoutError:
+                continue
+            await train_step(run, adapter, groups)
+            adapter.trained.set()
             if on_step is not None:
                 on_step(run)
-        if run.fatal is not None:
-            raise TrainingError(str(run.fatal)) from run.fatal
     finally:
         run.stopping = True
         await run.notify()
-        for task in producers:
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*producers, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         summary = await finish_run(run)
+    if run.fatal is not None:
+        raise TrainingError(str(run.fatal)) from run.fatal
     return summary
 
 
-async def collect_batch(run: Run) -> list[Group] | None:
+async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None:
+    """One learner step of one adapter. The new version is handed over in the background, so
+    the learner never waits for the engine to reach a step boundary; the step's metrics line is
+    written once the version is registered (with its sync time)."""
+    adapter.busy = True
+    stats: StepStats = await run.in_learner(run.learner.train_step, adapter.name, _samples(groups))
+    version = await run.in_learner(run.learner.adapter_version, adapter.name) if stats.updated else None
+    adapter.busy = False
+    await run.notify()
+    adapter.step += 1
+    run.global_step += 1
+    adapter.counters.skipped_nonfinite += int(stats.skipped_nonfinite)
+    row = step_row(run, adapter, groups, stats)
+    adapter.marks = _marks(run, adapter)
+    previous = adapter.publishing
+    adapter.publishing = asyncio.create_task(publish_and_record(run, adapter, version, row, previous))
+    rc = run.config.run
+    if rc.checkpoint_every and adapter.step % rc.checkpoint_every == 0:
+        await checkpoint(run)
+    if rc.eval_every and adapter.step % rc.eval_every == 0:
+        _background(run, eval_event(run, adapter, "periodic", after=adapter.publishing))
+
+
+async def publish_and_record(run: Run, adapter: AdapterRun, version: AdapterVersion | None,
+                             row: dict[str, Any], previous: asyncio.Task | None) -> None:
+    """Register a new version (in order), then write its step's metrics line and canary."""
+    if previous is not None:
+        await previous
+    if version is not None:
+        try:
+            stats = await asyncio.to_thread(run.generator.publish, version)
+        except Exception as exc:
+            run.fatal = run.fatal or TrainingError(f"publishing {adapter.name}@v{version.version} failed: {exc}")
+            raise
+        adapter.published = version.version
+        await run.notify()
+        row.update(sync_ms=stats.ms, sync_wait_ms=stats.wait_ms, sync_bytes=stats.bytes)
+    assert run.metrics is not None
+    run.metrics.step(row)
+    canary_every = run.config.run.canary_every
+    if version is not None and canary_every and version.version % canary_every == 0:
+        await canary(run, adapter, version)
+
+
+async def collect_loop(run: Run, adapter: AdapterRun, ready: asyncio.Queue) -> None:
+    """Hand the learner one batch of this adapter at a time, until its steps are done."""
+    adapter.marks = _marks(run, adapter)
+    while not run.finished(adapter) and run.fatal is None:
+        groups = await collect_batch(run, adapter)
+        if groups is None:
+            return
+        adapter.trained.clear()
+        await ready.put((adapter, groups))
+        await adapter.trained.wait()
+
+
+async def collect_batch(run: Run, adapter: AdapterRun) -> list[Group] | None:
     """`groups_per_step` informative groups (rewards not all equal), fitting the micro-batch cap."""
     cfg = run.config.learner
-    groups, run.carry = run.carry, []
-    run.pulled_rewards = [s.reward for g in groups for s in g.samples]
+    groups, adapter.carry = adapter.carry, []
+    adapter.pulled_rewards = [s.reward for g in groups for s in g.samples]
     pulled = 0
     keep_all = run.config.loss.kl_coef > 0
     while len(groups) < cfg.groups_per_step:
-        if run.fatal is not None or run.out_of_budget():
+        if run.fatal is not None or run.finished(adapter):
             return None
         dropped = run.buffer.counters.dropped_stale
         try:
-            group = await asyncio.wait_for(run.buffer.take(run.adapter, run.published), TAKE_POLL_S)
+            # the lag is against the learner's version (a publish may still be on its way)
+            version = run.learner.version(adapter.name)
+            group = await asyncio.wait_for(run.buffer.take(adapter.name, version), TAKE_POLL_S)
         except asyncio.TimeoutError:
             if run.buffer.counters.dropped_stale != dropped:
                 await run.notify()  # stale groups left the queue: producers may start again
             continue
         await run.notify()
         pulled += 1
-        run.pulled_rewards.extend(group.rewards)
-        run.informative_rate += INFORMATIVE_EMA * (float(group.informative or keep_all) - run.informative_rate)
+        adapter.pulled_rewards.extend(group.rewards)
+        adapter.informative_rate += INFORMATIVE_EMA * (float(group.informative or keep_all)
+                                                       - adapter.informative_rate)
         if not group.informative and not keep_all:
-            run.counters.zero_adv_groups += 1
+            adapter.counters.zero_adv_groups += 1
         elif groups and run.learner.micro_batches_needed(_samples(groups + [group])) > cfg.micro_batches_per_step:
-            run.carry.append(group)
+            adapter.carry.append(group)
             break
         else:
             groups.append(group)
         if pulled >= MAX_PULL_FACTOR * cfg.groups_per_step:
             # Rewards saturated (or flat): step with what there is, even nothing, so the run
             # keeps its step budget and the metrics show it, instead of waiting forever.
-            if not groups and not run.warned_flat:
-                run.warned_flat = True
-                run.console.print(f"[yellow]no reward signal in the last {pulled} groups (every sample of "
-                                  f"a group scored the same, e.g. {group.rewards[0]}): steps make no update[/]")
+            if not groups and not adapter.warned_flat:
+                adapter.warned_flat = True
+                run.console.print(f"[yellow]{adapter.name}: no reward signal in the last {pulled} groups "
+                                  f"(every sample of a group scored the same, e.g. {group.rewards[0]}): "
+                                  "steps make no update[/]")
             break
     return groups
 
 
-async def produce(run: Run) -> None:
-    """One producer: start a group when admitted, score it, put it in the buffer. Forever.
+async def produce(run: Run, adapter: AdapterRun) -> None:
+    """One producer of one adapter: start a group when admitted, score it, buffer it. Forever.
 
     An unexpected error ends the run with that error (a silent dead producer would hang it).
     """
     try:
-        await _produce(run)
+        await _produce(run, adapter)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
         run.console.print_exception(show_locals=False)
-        run.fatal = TrainingError(f"a rollout producer failed: {type(exc).__name__}: {exc}")
+        run.fatal = TrainingError(f"a rollout producer of {adapter.name} failed: {type(exc).__name__}: {exc}")
 
 
-async def _produce(run: Run) -> None:
+async def _produce(run: Run, adapter: AdapterRun) -> None:
     cfg = run.config
     while not run.stopping:
         async with run.admission:
             # Re-checked on every notify, and every ADMISSION_POLL_S as a safety net: the buffer
             # drops stale groups inside `take`, which changes the queue without a notify.
             while not (run.stopping or may_start(
-                    run.learner_busy, run.in_flight + run.buffer.groups() + len(run.carry),
-                    run.groups_consumed_per_step(), cfg.buffer.max_staleness)):
+                    adapter.busy, adapter.in_flight + run.buffer.groups(adapter.name) + len(adapter.carry),
+                    adapter.groups_consumed_per_step(cfg.learner.groups_per_step), cfg.buffer.max_staleness)):
                 try:
                     await asyncio.wait_for(run.admission.wait(), ADMISSION_POLL_S)
                 except asyncio.TimeoutError:
                     pass
         if run.stopping:
             return
-        index = run.next_problem
-        run.next_problem += 1
-        run.in_flight += 1
-        run.counters.groups_started += 1
+        index = adapter.next_problem
+        adapter.next_problem += 1
+        adapter.in_flight += 1
+        adapter.counters.groups_started += 1
         try:
-            group = await make_group(run, index)
+            group = await make_group(run, adapter, index)
             if group is not None:
                 await run.buffer.put(group)
         finally:
-            run.in_flight -= 1
+            adapter.in_flight -= 1
             await run.notify()
 
 
-async def make_group(run: Run, index: int) -> Group | None:
-    gen = run.config.generator
-    problem = run.task.train_problem(index)
-    prompt_ids = render_prompt(run.tokenizer, problem.prompt, run.task.system_prompt)
-    request = GenRequest(prompt_ids, run.adapter, n=gen.samples_per_prompt, max_tokens=gen.max_new_tokens,
-                         temperature=gen.temperature, top_p=gen.top_p)
+async def make_group(run: Run, adapter: AdapterRun, index: int) -> Group | None:
+    spec = adapter.spec
+    problem = adapter.task.train_problem(index)
+    prompt_ids = render_prompt(run.tokenizer, problem.prompt, adapter.task.system_prompt)
+    request = GenRequest(prompt_ids, adapter.name, n=spec.samples_per_prompt, max_tokens=spec.max_new_tokens,
+                         temperature=spec.temperature, top_p=spec.top_p)
     result = await run.generate(request)
     if not result.ok:
-        run.counters.groups_failed += 1
+        adapter.counters.groups_failed += 1
         if result.error and "engine failed" in result.error:
             run.fatal = TrainingError(f"the vLLM engine died: {result.error}")
         return None
     texts = run.tokenizer.batch_decode([s.token_ids for s in result.samples], skip_special_tokens=True)
-    rewards = await asyncio.to_thread(run.task.rewards, problem, texts)
+    rewards = await asyncio.to_thread(adapter.task.rewards, problem, texts)
     advantages = group_advantages(rewards)
-    run.counters.tokens_generated += sum(len(s.token_ids) for s in result.samples)
+    adapter.counters.tokens_generated += sum(len(s.token_ids) for s in result.samples)
     samples = [
-        TrainSample(run.adapter, result.version, prompt_ids, s.token_ids, s.logprobs, r, a, s.finish_reason)
+        TrainSample(adapter.name, result.version, prompt_ids, s.token_ids, s.logprobs, r, a, s.finish_reason)
         for s, r, a in zip(result.samples, rewards, advantages)
     ]
-    return Group(run.adapter, result.version, index, samples)
+    return Group(adapter.name, result.version, index, samples)
 
 
-async def publish(run: Run) -> dict[str, float]:
-    """Hand the learner's current adapter to the generator (tensors only, in memory)."""
-    version = await run.in_learner(run.learner.adapter_version, run.adapter)
-    handed = time.perf_counter()
-    stats = await asyncio.to_thread(run.generator.publish, version)
-    run.published = version.version
+async def publish_current(run: Run, adapter: AdapterRun) -> None:
+    """Hand the learner's current adapter to the generator and wait until it is servable."""
+    version = await run.in_learner(run.learner.adapter_version, adapter.name)
+    await asyncio.to_thread(run.generator.publish, version)
+    adapter.published = version.version
     await run.notify()
-    total_ms = (time.perf_counter() - handed) * 1000
-    return {"sync_ms": stats.ms, "sync_total_ms": total_ms, "sync_bytes": stats.bytes}
 
 
-async def after_step(run: Run, stats: StepStats) -> None:
-    """Checkpoint, eval and canary on their schedules."""
-    rc = run.config.run
-    if rc.checkpoint_every and run.step % rc.checkpoint_every == 0:
-        await checkpoint(run)
-    if rc.eval_every and run.step % rc.eval_every == 0:
-        task = asyncio.create_task(eval_event(run, "periodic"))
-        run.background.add(task)
-        task.add_done_callback(run.background.discard)
-    if rc.canary_every and stats.updated and stats.version % rc.canary_every == 0:
-        await canary(run)
+def _background(run: Run, coro: Any) -> None:
+    task = asyncio.create_task(coro)
+    run.background.add(task)
+    task.add_done_callback(run.background.discard)
 
 
 async def checkpoint(run: Run) -> None:
     # Groups in flight or buffered are not saved: their prompts are skipped on resume, and the
     # task stream continues from the next undrawn problem.
-    state = RunState(run.step, {run.adapter: run.next_problem}, run.wall_s, run.counters.as_dict())
+    state = RunState(
+        step=run.global_step,
+        steps={n: a.step for n, a in run.adapters.items()},
+        next_problem={n: a.next_problem for n, a in run.adapters.items()},
+        wall_s=run.wall_s,
+        counters={n: a.counters.as_dict() for n, a in run.adapters.items()},
+    )
     await run.in_learner(save_checkpoint, run.out_dir, state, run.learner)
-    await save_adapter(run, final=False)
+    for adapter in run.adapters.values():
+        await save_adapter(run, adapter, final=False)
 
 
-async def save_adapter(run: Run, final: bool) -> None:
+async def save_adapter(run: Run, adapter: AdapterRun, final: bool) -> None:
     learner = run.learner
-    version = run.learner.version(run.adapter)
-    info = {"step": run.step, "wall_s": round(run.wall_s, 2), "reward_mean": run.last_reward}
-    tensors = await run.in_learner(learner.adapter_tensors, run.adapter)
-    await asyncio.to_thread(run.store.save, run.adapter, version, tensors, learner.peft_config(run.adapter),
+    version = learner.version(adapter.name)
+    info = {"step": adapter.step, "wall_s": round(run.wall_s, 2), "reward_mean": adapter.last_reward}
+    tensors = await run.in_learner(learner.adapter_tensors, adapter.name)
+    await asyncio.to_thread(run.store.save, adapter.name, version, tensors, learner.peft_config(adapter.name),
                             info, final)
 
 
-async def eval_event(run: Run, when: str) -> EvalResult:
-    problems = run.task.heldout()
-    result = await evaluate(run.generate, run.tokenizer, run.task, problems, run.adapter,
-                            run.config.eval_max_tokens)
-    row = {"kind": "eval", "when": when, "step": run.step, "version": result.version,
-           "wall_s": round(run.wall_s, 3), "accuracy": result.accuracy, "n": result.n}
+async def eval_event(run: Run, adapter: AdapterRun, when: str,
+                     after: asyncio.Task | None = None) -> EvalResult:
+    if after is not None:
+        await after  # evaluate the version this step produced, once it is servable
+    problems = adapter.task.heldout()
+    max_tokens = run.config.run.eval_max_tokens or adapter.spec.max_new_tokens
+    result = await evaluate(run.generate, run.tokenizer, adapter.task, problems, adapter.name, max_tokens)
+    row = {"kind": "eval", "when": when, "adapter": adapter.name, "step": adapter.step,
+           "version": result.version, "wall_s": round(run.wall_s, 3), "accuracy": result.accuracy,
+           "mean_reward": result.mean_reward, "n": result.n}
     run.evals.append(row)
-    run.metrics.event(row)
+    if run.metrics is not None:
+        run.metrics.event(row)
     return result
 
 
-async def canary(run: Run) -> None:
-    """Invariant 7: what vLLM serves under version k is what the learner trained as version k."""
-    probe = run.task.heldout()[:1] or [run.task.train_problem(0)]
-    prompt_ids = render_prompt(run.tokenizer, probe[0].prompt, run.task.system_prompt)
-    result = await run.generate(GenRequest(prompt_ids, run.adapter, n=1, max_tokens=16,
-                                           temperature=run.config.generator.temperature))
+async def canary(run: Run, adapter: AdapterRun, version: AdapterVersion) -> None:
+    """Invariant 7: what vLLM serves under version k is what the learner trained as version k.
+
+    vLLM samples a probe on version k; the learner scores it with a snapshot of version k
+    (the tensors that were published), so the check is exact even while the learner moves on.
+    """
+    probe = adapter.task.heldout()[:1] or [adapter.task.train_problem(0)]
+    prompt_ids = render_prompt(run.tokenizer, probe[0].prompt, adapter.task.system_prompt)
+    result = await run.generate(GenRequest(prompt_ids, adapter.name, n=1, max_tokens=16,
+                                           temperature=adapter.spec.temperature))
     if not result.ok or not result.samples or not result.samples[0].token_ids:
         return
-    if result.version != run.learner.version(run.adapter):
-        return  # the learner moved on meanwhile; the next canary will compare
+    if result.version != version.version:
+        return  # a newer version was published meanwhile; the next canary will compare
     sample = result.samples[0]
-    probe_sample = TrainSample(run.adapter, result.version, prompt_ids, sample.token_ids, sample.logprobs, 0.0)
-    learner_lp = (await run.in_learner(run.learner.logprobs, run.adapter, [probe_sample]))[0]
+    probe_sample = TrainSample(adapter.name, result.version, prompt_ids, sample.token_ids, sample.logprobs, 0.0)
+    learner_lp = (await run.in_learner(run.learner.snapshot_logprobs, version, [probe_sample]))[0]
     diff = statistics.fmean(abs(a - b) for a, b in zip(learner_lp, sample.logprobs))
-    run.metrics.event({"kind": "canary", "step": run.step, "version": result.version,
-                       "canary_mismatch": diff, "tokens": len(sample.token_ids)})
+    assert run.metrics is not None
+    run.metrics.event({"kind": "canary", "adapter": adapter.name, "step": adapter.step,
+                       "version": result.version, "canary_mismatch": diff, "tokens": len(sample.token_ids)})
     if diff > CANARY_WARN_NATS:
-        run.counters.canary_warnings += 1
+        adapter.counters.canary_warnings += 1
         run.console.print(f"[red]canary: generator and learner disagree by {diff:.2f} nats/token on "
-                          f"v{result.version}: the served adapter may not be what was trained[/]")
+                          f"{adapter.name}@v{result.version}: the served adapter may not be what was trained[/]")
 
 
 # ---------------------------------------------------------------- setup and teardown
@@ -383,7 +477,7 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console) -> Run:
     checkpoint_path = latest_checkpoint(out_dir) if resume else None
     if resume and checkpoint_path is None:
         console.print(f"[yellow]--resume: no checkpoint in {out_dir}; starting fresh[/]")
-    if not resume and (out_dir / "metrics.jsonl").exists():
+    if checkpoint_path is None and (out_dir / "metrics.jsonl").exists():
         raise TrainingError(f"{out_dir} already holds a run; use --resume to continue it or choose "
                             "another run.output_dir")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -391,13 +485,14 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console) -> Run:
     model_dir = resolve_model(config.model.name, console)
     gen_place, learn_place = resolve(config.generator.device, config.generator.cpus, config.learner.device,
                                      config.learner.cpus, concurrent=config.buffer.max_staleness > 0)
-    console.print(f"model {config.model.name} ({model_dir})\n"
+    specs = config.adapter_specs
+    console.print(f"model {config.model.name} ({model_dir}); adapters {', '.join(s.name for s in specs)}\n"
                   f"generator on {gen_place.describe()}, learner on {learn_place.describe()}, "
                   f"max_staleness {config.buffer.max_staleness}")
-    task = make_task(config.task, config.run.seed)
+    adapters = {spec.name: AdapterRun(spec, make_task(spec.task, config.run.seed)) for spec in specs}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    spec = EngineSpec(
-        model_dir=model_dir, adapters=tuple(config.adapter_names), max_staleness=config.buffer.max_staleness,
+    engine = EngineSpec(
+        model_dir=model_dir, adapters=tuple(adapters), max_staleness=config.buffer.max_staleness,
         max_lora_rank=config.max_lora_rank, dtype=config.model.dtype,
         memory_fraction=config.generator.memory_fraction, kv_cache_gb=config.generator.kv_cache_gb,
         max_model_len=config.generator.max_model_len, seed=config.run.seed,
@@ -407,72 +502,84 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console) -> Run:
     loop = asyncio.get_running_loop()
 
     def build_learner() -> Learner:
-        adapters = {config.adapter.name: (config.lora, config.learner.lr)}
-        return Learner(model_dir, adapters, config.learner, config.loss, learn_place,
-                       config.generator.temperature, config.run.seed)
+        return Learner(model_dir, {s.name: (s.lora, s.lr) for s in specs}, config.learner, config.loss,
+                       learn_place, {s.name: s.temperature for s in specs}, config.run.seed)
 
     # One after the other: vLLM switches torch's process-wide default dtype while it builds
     # its model, which would leak into a learner built at the same time.
-    generator = await asyncio.to_thread(VllmGenerator, spec, gen_place)
+    generator = await asyncio.to_thread(VllmGenerator, engine, gen_place)
     learner = await loop.run_in_executor(pool, build_learner)
-    run = Run(config=config, out_dir=out_dir, console=console, adapter=config.adapter.name, task=task,
-              tokenizer=tokenizer, generator=generator, learner=learner, learner_pool=pool,
+    run = Run(config=config, out_dir=out_dir, console=console, adapters=adapters, tokenizer=tokenizer,
+              generator=generator, learner=learner, learner_pool=pool,
               buffer=RolloutBuffer(config.buffer.max_tokens, config.buffer.max_staleness,
                                    config.buffer.stale_policy),
-              metrics=None, store=AdapterStore(out_dir), placements=(gen_place, learn_place))  # type: ignore[arg-type]
+              store=AdapterStore(out_dir), placements=(gen_place, learn_place))
     if checkpoint_path is not None:
         state = await run.in_learner(load_checkpoint, checkpoint_path, learner)
-        run.step = state.step
-        run.next_problem = state.next_problem[run.adapter]
+        run.global_step = state.step
         run.wall_offset = state.wall_s
-        run.counters = Counters(**{k: v for k, v in state.counters.items() if k in Counters.__dataclass_fields__})
-        kept = truncate_metrics(out_dir / "metrics.jsonl", state.step)
-        console.print(f"resumed from {checkpoint_path.name}: step {state.step}, "
-                      f"version {learner.version(run.adapter)}, {kept} metric lines kept")
-    run.metrics = MetricsWriter(out_dir, config.run.max_steps, config.run.progress, console)
-    run.metrics.set_completed(run.step)
+        for name, adapter in adapters.items():
+            adapter.step = state.steps.get(name, 0)
+            adapter.next_problem = state.next_problem.get(name, 0)
+            saved = state.counters.get(name, {})
+            adapter.counters = Counters(**{k: v for k, v in saved.items() if k in Counters.__dataclass_fields__})
+        kept = truncate_metrics(out_dir / "metrics.jsonl", state.steps)
+        versions = ", ".join(f"{n} v{learner.version(n)}" for n in adapters)
+        console.print(f"resumed from {checkpoint_path.name}: step {state.step} ({versions}), "
+                      f"{kept} metric lines kept")
+    run.metrics = MetricsWriter(out_dir, list(adapters), config.run.max_steps, config.run.progress, console)
+    for adapter in adapters.values():
+        run.metrics.set_completed(adapter.name, adapter.step)
     return run
 
 
 async def finish_run(run: Run) -> dict[str, Any]:
     try:
+        pending = [a.publishing for a in run.adapters.values() if a.publishing is not None]
+        await asyncio.gather(*pending, return_exceptions=True)  # failures already set run.fatal
         for task in list(run.background):
             task.cancel()
         if run.fatal is None:
             await checkpoint(run)
-            await save_adapter(run, final=True)
+            for adapter in run.adapters.values():
+                await save_adapter(run, adapter, final=True)
             if run.config.run.eval_at_end:
-                await eval_event(run, "end")
-        elif run.step > 0:  # keep what was learned before the failure
+                await asyncio.gather(*(eval_event(run, a, "end") for a in run.adapters.values()))
+        elif run.global_step > 0:  # keep what was learned before the failure
             await checkpoint(run)
     finally:
-        run.metrics.close()
+        if run.metrics is not None:
+            run.metrics.close()
         run.generator.close()
-        run.task.close()
+        for adapter in run.adapters.values():
+            adapter.task.close()
         run.learner_pool.shutdown(wait=True)
-    summary = {
-        "steps": run.step,
-        "version": run.learner.version(run.adapter),
+    summary: dict[str, Any] = {
+        "steps": run.global_step,
         "wall_s": round(run.wall_s, 1),
         "samples_in": run.buffer.counters.samples_in,
         "dropped_stale": run.buffer.counters.dropped_stale,
-        "zero_adv_groups": run.counters.zero_adv_groups,
-        "tokens_generated": run.counters.tokens_generated,
-        "skipped_nonfinite": run.counters.skipped_nonfinite,
-        "reward_errors": run.task.stats.errors,
         "output_dir": str(run.out_dir),
     }
-    for row in run.evals:
-        summary[f"accuracy_{row['when']}"] = row["accuracy"]
+    for name, adapter in run.adapters.items():
+        prefix = "" if len(run.adapters) == 1 else f"{name}."
+        summary[f"{prefix}version"] = run.learner.version(name)
+        summary[f"{prefix}zero_adv_groups"] = adapter.counters.zero_adv_groups
+        summary[f"{prefix}tokens_generated"] = adapter.counters.tokens_generated
+        summary[f"{prefix}skipped_nonfinite"] = adapter.counters.skipped_nonfinite
+        summary[f"{prefix}reward_errors"] = adapter.task.stats.errors
+        for row in (r for r in run.evals if r["adapter"] == name):
+            summary[f"{prefix}accuracy_{row['when']}"] = row["accuracy"]
     if run.fatal is not None:
         summary["error"] = str(run.fatal)
     (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     run.console.print(summary_table(summary))
-    ends = {row["when"]: row for row in run.evals}
-    if "start" in ends and "end" in ends:
-        run.console.print(f"[bold]held-out greedy accuracy: {ends['start']['accuracy']:.2f} -> "
-                          f"{ends['end']['accuracy']:.2f}[/] (n={ends['end']['n']}, "
-                          f"{run.step} steps, {run.wall_s:.0f} s)")
+    for name in run.adapters:
+        ends = {row["when"]: row for row in run.evals if row["adapter"] == name}
+        if "start" in ends and "end" in ends:
+            run.console.print(f"[bold]{name}: held-out greedy accuracy {ends['start']['accuracy']:.2f} -> "
+                              f"{ends['end']['accuracy']:.2f}[/] (n={ends['end']['n']}, "
+                              f"{run.adapters[name].step} steps, {run.wall_s:.0f} s)")
     return summary
 
 
@@ -483,44 +590,45 @@ def _samples(groups: list[Group]) -> list[TrainSample]:
     return [s for g in groups for s in g.samples]
 
 
-def _marks(run: Run) -> dict[str, float]:
+def _marks(run: Run, adapter: AdapterRun) -> dict[str, float]:
     return {"wall": time.perf_counter(), "busy": run.generator.stats["busy_s"],
-            "tokens": run.counters.tokens_generated}
+            "tokens": adapter.counters.tokens_generated}
 
 
-def step_row(run: Run, groups: list[Group], stats: StepStats, sync: dict | None,
-             marks: dict[str, float]) -> dict[str, Any]:
+def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStats) -> dict[str, Any]:
+    """The step's metrics line; the sync figures are filled in once the version is registered."""
     samples = _samples(groups)
     # The policy's reward: every group taken for this step, including those with no signal
     # (all samples equal) that were not trained on.
-    rewards = run.pulled_rewards or [s.reward for s in samples]
+    rewards = adapter.pulled_rewards or [s.reward for s in samples]
     batch_rewards = [s.reward for s in samples]
     lags = [s.policy_lag for s in samples]
+    marks = adapter.marks
     elapsed = max(time.perf_counter() - marks["wall"], 1e-9)
     gen_busy = run.generator.stats["busy_s"] - marks["busy"]
     ls = stats.loss_stats
-    reward_mean = statistics.fmean(rewards) if rewards else 0.0
-    run.last_reward = reward_mean
+    adapter.last_reward = statistics.fmean(rewards) if rewards else 0.0
     return {
-        "step": run.step,
-        "adapter": run.adapter,
+        "step": adapter.step,
+        "global_step": run.global_step,
+        "adapter": adapter.name,
         "version": stats.version,
         "wall_s": round(run.wall_s, 3),
-        "reward_mean": reward_mean,
+        "reward_mean": adapter.last_reward,
         "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
         "batch_reward_mean": statistics.fmean(batch_rewards) if batch_rewards else 0.0,
         "samples": len(samples),
         "groups": len(groups),
-        "tokens_generated": run.counters.tokens_generated - int(marks["tokens"]),
-        "tokens_generated_total": run.counters.tokens_generated,
+        "tokens_generated": adapter.counters.tokens_generated - int(marks["tokens"]),
+        "tokens_generated_total": sum(a.counters.tokens_generated for a in run.adapters.values()),
         "tokens_trained": stats.tokens_trained,
         "padded_tokens": stats.padded_tokens,
         "micro_batches": stats.micro_batches,
         "policy_lag_mean": statistics.fmean(lags) if lags else 0.0,
         "policy_lag_max": max(lags) if lags else 0,
-        "dropped_stale": run.buffer.counters.dropped_stale,
+        "dropped_stale": run.buffer.counters.per_adapter_dropped.get(adapter.name, 0),
         "admitted_stale": run.buffer.counters.admitted_stale,
-        "zero_adv_groups": run.counters.zero_adv_groups,
+        "zero_adv_groups": adapter.counters.zero_adv_groups,
         "ratio_mean": ls.ratio_mean,
         "ratio_max": ls.ratio_max if ls.tokens else 1.0,
         "ratio_min": ls.ratio_min if ls.tokens else 1.0,
@@ -529,13 +637,13 @@ def step_row(run: Run, groups: list[Group], stats: StepStats, sync: dict | None,
         "loss": stats.loss,
         "grad_norm": stats.grad_norm,
         "updated": stats.updated,
-        "sync_ms": sync["sync_ms"] if sync else 0.0,
-        "sync_total_ms": sync["sync_total_ms"] if sync else 0.0,
+        "sync_ms": 0.0,
+        "sync_wait_ms": 0.0,
         "learner_s": stats.seconds,
         "gen_idle_frac": max(0.0, 1.0 - gen_busy / elapsed),
         "learner_idle_frac": max(0.0, 1.0 - stats.seconds / elapsed),
         "logprob_mismatch": ls.logprob_mismatch,
         "logprob_mismatch_onpolicy": ls.onpolicy_mismatch,
-        "skipped_nonfinite": run.counters.skipped_nonfinite,
-        "reward_errors": run.task.stats.errors,
+        "skipped_nonfinite": adapter.counters.skipped_nonfinite,
+        "reward_errors": adapter.task.stats.errors,
     }

@@ -31,8 +31,8 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def truncate_metrics(path: Path, last_step: int) -> int:
-    """Keep only lines with step <= last_step (and eval lines before them). Returns lines kept."""
+def truncate_metrics(path: Path, last_steps: dict[str, int]) -> int:
+    """Keep only lines up to each adapter's checkpointed step. Returns the lines kept."""
     if not path.is_file():
         return 0
     kept = []
@@ -41,7 +41,7 @@ def truncate_metrics(path: Path, last_step: int) -> int:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by a kill
-        if int(row.get("step", 0)) <= last_step:
+        if int(row.get("step", 0)) <= last_steps.get(row.get("adapter", ""), 0):
             kept.append(line)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))
@@ -60,7 +60,10 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: Path, total_steps: int, show_progress: bool, console: Console) -> None:
+    """One progress row per adapter; one JSONL line per step (and per eval/canary)."""
+
+    def __init__(self, out_dir: Path, adapters: list[str], total_steps: int, show_progress: bool,
+                 console: Console) -> None:
         self.path = out_dir / "metrics.jsonl"
         self.console = console
         self._file = open(self.path, "a", buffering=1)
@@ -72,7 +75,8 @@ class MetricsWriter:
         except Exception as exc:  # tensorboard missing: keep the JSONL, say so once
             console.print(f"[yellow]TensorBoard disabled: {exc}[/]")
         self._progress: Progress | None = None
-        self._task: Any = None
+        self._tasks: dict[str, Any] = {}
+        self._adapters = list(adapters)
         if show_progress:
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -81,7 +85,8 @@ class MetricsWriter:
                 transient=False,
             )
             self._progress.start()
-            self._task = self._progress.add_task("train", total=total_steps, reward="-", tps="-", lag="-")
+            for name in adapters:
+                self._tasks[name] = self._progress.add_task(name, total=total_steps, reward="-", tps="-", lag="-")
         self._started = time.perf_counter()
 
     def step(self, row: dict[str, Any]) -> None:
@@ -96,13 +101,14 @@ class MetricsWriter:
         tps = row.get("tokens_generated_total", 0) / elapsed
         if self._progress is not None:
             self._progress.update(
-                self._task, completed=row["step"],
+                self._tasks[row["adapter"]], completed=row["step"],
                 reward=f"{row.get('reward_mean') or 0:.2f}", tps=f"{tps:.0f}",
                 lag=f"{row.get('policy_lag_mean') or 0:.1f}",
             )
         else:
+            who = f"{row['adapter']:<12}" if len(self._adapters) > 1 else ""
             self.console.print(
-                f"step {row['step']:>4}  v{row.get('version')}  reward {row.get('reward_mean') or 0:.3f}"
+                f"{who}step {row['step']:>4}  v{row.get('version')}  reward {row.get('reward_mean') or 0:.3f}"
                 f"  loss {row.get('loss') or 0:+.4f}  lag {row.get('policy_lag_mean') or 0:.1f}"
                 f"  sync {row.get('sync_ms') or 0:.1f}ms  {tps:.0f} tok/s",
                 highlight=False,
@@ -117,9 +123,9 @@ class MetricsWriter:
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                     self._tb.add_scalar(f"{row.get('kind', 'event')}/{key}", value, int(row["step"]))
 
-    def set_completed(self, step: int) -> None:
+    def set_completed(self, adapter: str, step: int) -> None:
         if self._progress is not None:
-            self._progress.update(self._task, completed=step)
+            self._progress.update(self._tasks[adapter], completed=step)
 
     def close(self) -> None:
         if self._progress is not None:

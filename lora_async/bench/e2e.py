@@ -29,7 +29,8 @@ def summarize(run_dir: Path, budget: float) -> dict[str, Any]:
     wall = steps[-1]["wall_s"] if steps else 0.0
     step_time = [b["wall_s"] - a["wall_s"] for a, b in zip([{"wall_s": 0.0}] + steps, steps)]
     weighted_idle = sum(t * r["gen_idle_frac"] for t, r in zip(step_time, steps))
-    sync_s = sum(r.get("sync_total_ms", r["sync_ms"]) for r in steps) / 1000
+    sync_s = sum(r["sync_ms"] for r in steps) / 1000
+    wait_s = sum(r.get("sync_wait_ms", 0.0) for r in steps) / 1000
     return {
         "steps": len(steps),
         "wall_s": wall,
@@ -41,6 +42,7 @@ def summarize(run_dir: Path, budget: float) -> dict[str, Any]:
         "gen_tokens_per_s": (steps[-1]["tokens_generated_total"] / wall) if steps and wall else 0.0,
         "gen_idle_frac": weighted_idle / wall if wall else None,
         "sync_share": sync_s / wall if wall else None,
+        "sync_wait_share": wait_s / wall if wall else None,  # in the background: nobody waits
         "sync_ms_p50": sorted(r["sync_ms"] for r in steps if r["updated"])[len(steps) // 2] if steps else None,
         "dropped_stale": steps[-1]["dropped_stale"] if steps else 0,
         "policy_lag_mean": sum(r["policy_lag_mean"] for r in steps) / len(steps) if steps else None,

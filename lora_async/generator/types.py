@@ -64,8 +64,13 @@ class PublishStats:
     vllm_name: str
     int_id: int
     bytes: int
-    ms: float  # tensors ready -> registered in the engine
+    ms: float  # the work: tensors ready -> registered, less the wait below
     retired: list[str] = field(default_factory=list)
+    wait_ms: float = 0.0  # waiting for the engine to finish its current step (never a pause)
+
+    @property
+    def total_ms(self) -> float:
+        return self.ms + self.wait_ms
 
 
 class Generator(Protocol):

@@ -125,19 +125,21 @@ class VllmGenerator:
         except Exception:
             self.stats["rejected_versions"] += 1
             raise
-        return self._call("publish", payload, started)
+        return self._call("publish", payload, started, time.perf_counter())
 
     def publish_packed(self, packed: PackedAdapter, started: float | None = None) -> PublishStats:
         """Register an already packed version (used by transports that unpacked it themselves)."""
         self._check_alive()
-        return self._call("publish", packed, started or time.perf_counter())
+        now = time.perf_counter()
+        return self._call("publish", packed, started or now, now)
 
     def publish_dir(self, adapter: str, version: int, path: Path) -> PublishStats:
         """Register a version that vLLM loads itself from a PEFT directory (its file path)."""
         self._check_alive()
         if not (Path(path) / "adapter_config.json").is_file():
             raise AdapterError(f"{path} is not a PEFT adapter directory")
-        return self._call("publish_dir", adapter, version, str(path), time.perf_counter())
+        now = time.perf_counter()
+        return self._call("publish_dir", adapter, version, str(path), now, now)
 
     def live_versions(self, adapter: str) -> list[int]:
         return self._call("fn", lambda: self.registry.versions(adapter))
@@ -277,7 +279,7 @@ class VllmGenerator:
     def _run_command(self, command: tuple) -> Any:
         kind = command[0]
         if kind == "publish":
-            return self._register(command[1], command[2])
+            return self._register(command[1], command[2], command[3])
         if kind == "publish_dir":
             return self._register_dir(*command[1:-1])
         if kind == "fn":
@@ -296,7 +298,8 @@ class VllmGenerator:
             raise GeneratorDead("generator is closed")
 
     # ---- versions
-    def _register(self, payload: PackedAdapter | AdapterVersion, started: float) -> PublishStats:
+    def _register(self, payload: PackedAdapter | AdapterVersion, started: float, queued: float) -> PublishStats:
+        dequeued = time.perf_counter()
         registry = self.registry
         registry.check_new(payload.adapter, payload.version)
         if registry.is_full():
@@ -315,13 +318,15 @@ class VllmGenerator:
             vllm_name=live.vllm_name,
             int_id=live.int_id,
             bytes=payload.nbytes,
-            ms=(time.perf_counter() - started) * 1000,
+            ms=(time.perf_counter() - dequeued + queued - started) * 1000,
             retired=retired,
+            wait_ms=(dequeued - queued) * 1000,
         )
 
-    def _register_dir(self, adapter: str, version: int, path: str, started: float) -> PublishStats:
+    def _register_dir(self, adapter: str, version: int, path: str, started: float, queued: float) -> PublishStats:
         from vllm.lora.request import LoRARequest
 
+        dequeued = time.perf_counter()
         registry = self.registry
         registry.check_new(adapter, version)
         if registry.is_full():
@@ -333,7 +338,8 @@ class VllmGenerator:
         retired = [self._retire(old) for old in registry.retirable()]
         size = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
         return PublishStats(adapter, version, live.vllm_name, int_id, size,
-                            (time.perf_counter() - started) * 1000, retired)
+                            (time.perf_counter() - dequeued + queued - started) * 1000, retired,
+                            wait_ms=(dequeued - queued) * 1000)
 
     def _retire(self, live: LiveVersion) -> str:
         self._engine.collective_rpc("lora_async_remove", args=(live.int_id,))
