@@ -87,3 +87,32 @@ def test_help_is_fast_and_does_not_import_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert float(done.stdout.strip()) < 2.0
+
+
+FLEET_ENTRY = '[[adapters]]\nname = "{name}"\n[adapters.task]\ntype = "{task}"\n'
+
+
+@pytest.mark.parametrize("text, field", [
+    (FLEET_ENTRY.format(name="a", task="arithmetic") * 2, "adapters.1.name: duplicate adapter name 'a'"),
+    (FLEET_ENTRY.format(name="a", task="arithmetic") + "[adapters.lora]\nrank = 1024\n", "adapters.0.lora.rank"),
+    (FLEET_ENTRY.format(name="a", task="poetry"), "adapters.0.task"),
+    (FLEET_ENTRY.format(name="bad name", task="arithmetic"), "adapters.0.name"),
+    ("[task]\ndigits = 2\n" + FLEET_ENTRY.format(name="a", task="arithmetic"), "task: give either"),
+    ('[[adapters]]\nname = "a"\n', "adapters.0.task"),
+])
+def test_fleet_config_errors_name_the_entry(tmp_path, text, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text))
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_fleet_specs_resolve_overrides(tmp_path):
+    text = ("[lora]\nrank = 8\n[learner]\nlr = 1e-3\n"
+            + FLEET_ENTRY.format(name="a", task="arithmetic")
+            + '[[adapters]]\nname = "b"\nweight = 2\nlr = 5e-4\n[adapters.lora]\nrank = 16\n'
+              '[adapters.generation]\nmax_new_tokens = 7\n[adapters.task]\nops = ["-"]\n')
+    cfg = load_config(write(tmp_path, text))
+    a, b = cfg.adapter_specs
+    assert (a.name, a.lora.rank, a.lr, a.weight) == ("a", 8, 1e-3, 1.0)
+    assert (b.name, b.lora.rank, b.lr, b.weight, b.max_new_tokens, b.task.ops) == ("b", 16, 5e-4, 2.0, 7, ["-"])
+    assert cfg.max_lora_rank == 16 and cfg.max_loras == 2 * (cfg.buffer.max_staleness + 1) + 1

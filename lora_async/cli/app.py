@@ -21,6 +21,8 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks (figures go to bench/RESULTS.md).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+adapters_app = typer.Typer(help="The adapters a run stored: list and export.", no_args_is_help=True)
+app.add_typer(adapters_app, name="adapters")
 
 SET_HELP = "Override a config field: --set dotted.key=value (repeatable), e.g. --set learner.lr=1e-4"
 CONFIG_HELP = "TOML config file (see examples/). Omit to use the defaults."
@@ -128,6 +130,77 @@ def bench_e2e(
 
     report = run_e2e_bench(cfg, budget, out, eval_every, config)
     print(json.dumps(report, indent=None if as_json else 2))
+
+
+@adapters_app.command("list")
+def adapters_list(
+    run_dir: Path = typer.Argument(..., help="A run's output directory."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Each adapter with its latest version, step, reward and size."""
+    from ..adapters import AdapterStore
+
+    store = AdapterStore(run_dir)
+    rows = []
+    for name in store.names():
+        versions = store.versions(name)
+        if not versions:
+            continue
+        latest = versions[-1]
+        rows.append({"adapter": name, "version": latest.version, "versions": len(versions),
+                     "step": latest.info.get("step"), "reward": latest.info.get("reward_mean"),
+                     "bytes": latest.size_bytes, "path": str(latest.path)})
+    if not rows:
+        fail(f"{run_dir}: no stored adapters (expected {run_dir}/adapters/<name>/v<k>/)", code=1)
+    if as_json:
+        print(json.dumps(rows))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"adapters in {run_dir}")
+    for col in ("adapter", "version", "step", "reward", "size", "path"):
+        table.add_column(col)
+    for r in rows:
+        reward = f"{r['reward']:.3f}" if isinstance(r["reward"], (int, float)) else "-"
+        table.add_row(r["adapter"], f"v{r['version']}", str(r["step"]), reward,
+                      f"{r['bytes'] / 2**20:.1f} MB", r["path"])
+    Console().print(table)
+
+
+@adapters_app.command("export")
+def adapters_export(
+    run_dir: Path = typer.Argument(..., help="A run's output directory."),
+    name: str = typer.Argument(..., help="Adapter name."),
+    dest: Path = typer.Argument(..., help="Where to write it (must not exist, or be empty)."),
+    version: Optional[int] = typer.Option(None, "--version", help="Version to export (default: latest)."),
+    merged: bool = typer.Option(False, "--merged", help="Merge into the base and write a full model."),
+) -> None:
+    """Write a PEFT adapter directory (or, with --merged, a merged full model)."""
+    from ..adapters.export import export_adapter
+
+    try:
+        path = export_adapter(run_dir, name, dest, version, merged)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        fail(str(exc), code=1)
+    Console().print(f"wrote {'merged model' if merged else 'PEFT adapter'} {name} to {path}")
+
+
+@app.command()
+def serve(
+    run_dir: Path = typer.Argument(..., help="A run's output directory."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    max_model_len: int = typer.Option(1024, "--max-model-len"),
+    kv_cache_gb: float = typer.Option(1.0, "--kv-cache-gb", help="KV cache size (CPU)."),
+) -> None:
+    """vLLM's OpenAI-compatible server: the base model plus every adapter under its plain name."""
+    from ..serve import serve as run_server
+
+    try:
+        code = run_server(run_dir, host, port, max_model_len, kv_cache_gb)
+    except FileNotFoundError as exc:
+        fail(str(exc), code=1)
+    raise typer.Exit(code)
 
 
 def main() -> None:  # pragma: no cover - console entry
