@@ -388,6 +388,9 @@ def _background(run: Run, coro: Any) -> None:
 
 
 async def checkpoint(run: Run) -> None:
+    # Every step up to here has its metrics line on disk before the checkpoint names it.
+    await asyncio.gather(*(a.publishing for a in run.adapters.values() if a.publishing is not None),
+                         return_exceptions=True)
     # Groups in flight or buffered are not saved: their prompts are skipped on resume, and the
     # task stream continues from the next undrawn problem.
     state = RunState(

@@ -149,7 +149,8 @@ def test_adapters_list_and_export(fleet_run, tiny_model, tmp_path):
     assert done.exit_code == 0, done.output
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
     with torch.no_grad():
-        assert torch.allclose(merged(ids).logits, adapted, atol=0.15)  # bf16 merged weights
+        error = (merged(ids).logits - adapted).abs().max()
+    assert error < 0.03 * adapted.abs().max()  # the merged weights are stored in bf16
 
     missing = CliRunner().invoke(app, ["adapters", "export", str(out), "nope", str(tmp_path / "x")])
     assert missing.exit_code == 1 and "seven" in missing.output
