@@ -173,7 +173,7 @@ class RunConfig(_Section):
     eval_at_start: bool = Field(False, description="Evaluate the base model before training.")
     eval_at_end: bool = Field(False, description="Evaluate the final adapter after training.")
     canary_every: int = Field(10, ge=0, description="Generator/learner logprob probe every N syncs (0 = off).")
-    chart_every: int = Field(0, ge=0, description="Redraw OUT/chart.png every N steps (0 = off).")
+    chart_every: int = Field(5, ge=0, description="Redraw OUT/chart.png every N steps (0 = off).")
     progress: bool = Field(True, description="Show the rich progress display.")
     engine_log: bool = Field(False, description="Let vLLM log at INFO level.")
 

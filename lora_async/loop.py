@@ -134,6 +134,7 @@ class Run:
     admission: asyncio.Condition = field(default_factory=asyncio.Condition)
     evals: list[dict] = field(default_factory=list)
     background: set = field(default_factory=set)
+    charting: bool = False
 
     @property
     def wall_s(self) -> float:
@@ -230,6 +231,21 @@ async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None
         await checkpoint(run)
     if rc.eval_every and adapter.step % rc.eval_every == 0:
         _background(run, eval_event(run, adapter, "periodic", after=adapter.publishing))
+    if rc.chart_every and run.global_step % rc.chart_every == 0 and not run.charting:
+        _background(run, redraw_chart(run))
+
+
+async def redraw_chart(run: Run) -> None:
+    """The live view: OUT/chart.png, redrawn every few steps (a failure only warns)."""
+    from .plot import plot_runs
+
+    run.charting = True
+    try:
+        await asyncio.to_thread(plot_runs, [run.out_dir], run.out_dir / "chart.png", str(run.out_dir))
+    except Exception as exc:
+        run.console.print(f"[yellow]chart not redrawn: {exc}[/]")
+    finally:
+        run.charting = False
 
 
 async def publish_and_record(run: Run, adapter: AdapterRun, version: AdapterVersion | None,

@@ -210,3 +210,24 @@ def test_serve_answers_per_adapter_over_http(fleet_run):
     with socket.socket() as sock:  # nobody listens any more: the server is really gone
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
         sock.bind(("127.0.0.1", port))
+
+
+def test_plot_writes_a_png_for_two_runs(fleet_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from lora_async.cli import app
+
+    other = tmp_path / "other-run"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text((fleet_run["out"] / "metrics.jsonl").read_text())
+    png = tmp_path / "cmp.png"
+    done = CliRunner().invoke(app, ["plot", str(fleet_run["out"]), str(other), "-o", str(png)])
+    assert done.exit_code == 0, done.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert (fleet_run["out"] / "chart.png").is_file()  # the live view the run kept redrawing
+
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    for bad in (empty, tmp_path / "missing"):
+        done = CliRunner().invoke(app, ["plot", str(bad), "-o", str(tmp_path / "x.png")])
+        assert done.exit_code == 1 and str(bad.name) in done.output and "Traceback" not in done.output

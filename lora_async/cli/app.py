@@ -132,6 +132,37 @@ def bench_e2e(
     print(json.dumps(report, indent=None if as_json else 2))
 
 
+@app.command()
+def plot(
+    run_dirs: list[Path] = typer.Argument(..., help="One or more run directories."),
+    out: Path = typer.Option(..., "-o", "--out", help="PNG file to write."),
+    title: Optional[str] = typer.Option(None, "--title"),
+) -> None:
+    """Reward, held-out accuracy, policy lag and sync time against wall-clock, one line per run."""
+    from ..plot import PlotError, plot_runs
+
+    try:
+        path = plot_runs(run_dirs, out, title)
+    except PlotError as exc:
+        fail(str(exc), code=1)
+    Console().print(f"wrote {path}")
+
+
+@bench_app.command("fleet")
+def bench_fleet(
+    config: Path = typer.Argument(Path("examples/arithmetic.toml"), help="Base config (model, learner, ...)."),
+    k: int = typer.Option(4, "--k", min=1, max=4, help="Adapters in the fleet."),
+    steps: int = typer.Option(6, "--steps", help="Learner steps per adapter."),
+    out: Path = typer.Option(Path("runs/bench-fleet"), "--out"),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
+    """A K-adapter fleet vs K separate runs: wall-clock and peak-memory ratios."""
+    cfg = load_or_exit(config, set_)
+    from ..bench.fleet import run_fleet_bench
+
+    print(json.dumps(run_fleet_bench(cfg, k, steps, out), indent=2))
+
+
 @adapters_app.command("list")
 def adapters_list(
     run_dir: Path = typer.Argument(..., help="A run's output directory."),

@@ -1,0 +1,78 @@
+"""`lora-async plot`: runs side by side against wall-clock (reward, held-out accuracy, policy lag,
+sync time), one labelled line per run (and per adapter in a fleet). Headless matplotlib."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from .metrics import read_metrics
+
+PANELS = (
+    ("reward_mean", "reward (policy)"),
+    ("accuracy", "held-out accuracy (greedy)"),
+    ("policy_lag_mean", "policy lag (versions)"),
+    ("sync_ms", "adapter sync (ms)"),
+)
+
+
+class PlotError(ValueError):
+    """A run directory that cannot be plotted (missing, empty)."""
+
+
+def load_run(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Rows of a run grouped by series label: `<run>` or `<run>/<adapter>` for fleets."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not Path(run_dir).is_dir():
+        raise PlotError(f"{run_dir}: no such run directory")
+    if not path.is_file():
+        raise PlotError(f"{run_dir}: no metrics.jsonl (not a lora-async run, or it has not logged a step)")
+    rows = read_metrics(path)
+    if not any("kind" not in r or r.get("kind") == "eval" for r in rows):
+        raise PlotError(f"{run_dir}: metrics.jsonl has no steps yet")
+    adapters = sorted({r.get("adapter", "main") for r in rows})
+    name = Path(run_dir).name
+    return {name if len(adapters) == 1 else f"{name}/{a}": [r for r in rows if r.get("adapter", "main") == a]
+            for a in adapters}
+
+
+def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None) -> Path:
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict[str, Any]]] = {}
+    for run_dir in run_dirs:
+        for label, rows in load_run(run_dir).items():
+            series[label if label not in series else f"{label} ({run_dir})"] = rows
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    for ax, (key, label) in zip(axes.flat, PANELS):
+        for name, rows in series.items():
+            if key == "accuracy":
+                wanted = [r for r in rows if r.get("kind") == "eval"]
+            else:
+                wanted = [r for r in rows if "kind" not in r]
+            points = [(r["wall_s"], r[key]) for r in wanted if r.get(key) is not None]
+            if points:
+                xs, ys = zip(*sorted(points))
+                ax.plot(xs, ys, marker="o" if key == "accuracy" else None, markersize=3, label=name)
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("wall-clock (s)")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    if not handles:
+        handles, labels = axes.flat[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), frameon=False)
+    fig.suptitle(title or "lora-async runs")
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, out)  # a live viewer never sees half a PNG
+    return out
