@@ -68,7 +68,17 @@ def _check_device(value: str) -> str:
 
 
 class GeneratorConfig(_Section):
-    backend: Literal["vllm"] = Field("vllm", description="Generation backend (vLLM engine in this process).")
+    backend: Literal["vllm", "server"] = Field(
+        "vllm", description="'vllm': an engine owned by this run; 'server': running `vllm serve` replicas (urls)."
+    )
+    engine_process: Literal["same", "separate"] = Field(
+        "same", description="Run the vLLM engine core in this process or in its own (backend 'vllm')."
+    )
+    urls: list[str] = Field(
+        default_factory=list, description="Base URLs of OpenAI-compatible vLLM servers (backend 'server')."
+    )
+    api_key: str | None = Field(None, description="Bearer token for the servers (or env LORA_ASYNC_API_KEY).")
+    request_timeout_s: float = Field(600.0, gt=0, le=86400, description="HTTP timeout of one generation request.")
     memory_fraction: float = Field(
         0.2, gt=0.0, le=0.95,
         description="vLLM gpu_memory_utilization; on CPU the share of RAM for the KV cache.",
@@ -99,6 +109,35 @@ class GeneratorConfig(_Section):
     @classmethod
     def _device(cls, value: str) -> str:
         return _check_device(value)
+
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", url):
+                raise ValueError(f"{url!r} is not a server base URL like 'http://127.0.0.1:8000'")
+        return [url.rstrip("/") for url in value]
+
+
+class SyncConfig(_Section):
+    transport: Literal["auto", "inproc", "shm", "nccl", "cuda-ipc", "http"] = Field(
+        "auto", description="How a new adapter version reaches vLLM ('auto' picks from generator.backend)."
+    )
+    backend: Literal["nccl", "gloo"] = Field("nccl", description="Process-group backend of transport 'nccl'.")
+    checksum: bool = Field(True, description="Checksum every transfer that crosses a process boundary.")
+    timeout_s: float = Field(60.0, gt=0, le=3600, description="Give up on a receiver that does not answer.")
+    retry_budget_s: float = Field(30.0, ge=0, le=3600, description="Total time for retries against a server.")
+    dir: str | None = Field(
+        None, description="Where transport 'http' writes PEFT directories the servers can read (default OUT/sync)."
+    )
+
+    def resolved(self, generator: GeneratorConfig) -> str:
+        """The transport that runs: 'auto' resolved against the generator backend."""
+        if self.transport != "auto":
+            return self.transport
+        if generator.backend == "server":
+            return "http"
+        return "shm" if generator.engine_process == "separate" else "inproc"
 
 
 class LearnerConfig(_Section):
@@ -279,6 +318,7 @@ class TrainConfig(_Section):
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     task: TaskConfig = Field(default_factory=ArithmeticTask)
@@ -293,6 +333,7 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_field(self) -> "TrainConfig":
+        self._check_sync()
         if self.generator.max_new_tokens >= self.generator.max_model_len:
             raise ValueError(
                 "generator.max_new_tokens must be below generator.max_model_len "
@@ -316,6 +357,23 @@ class TrainConfig(_Section):
                     raise ValueError(f"adapters.{i}.generation.max_new_tokens must be below "
                                      "generator.max_model_len")
         return self
+
+    def _check_sync(self) -> None:
+        gen, transport = self.generator, self.sync.resolved(self.generator)
+        if gen.backend == "server":
+            if not gen.urls:
+                raise ValueError("generator.urls: backend 'server' needs at least one server URL")
+            if transport != "http":
+                raise ValueError(f"sync.transport: a remote server takes new versions over 'http', not {transport!r}")
+            return
+        if transport == "http":
+            raise ValueError("sync.transport: 'http' is for generator.backend = 'server'")
+        if transport == "inproc" and gen.engine_process == "separate":
+            raise ValueError("sync.transport: 'inproc' needs generator.engine_process = 'same' "
+                             "(use 'shm', 'nccl' or 'cuda-ipc' for an engine in its own process)")
+        if transport != "inproc" and gen.engine_process == "same":
+            raise ValueError(f"sync.transport: {transport!r} crosses a process boundary; set "
+                             "generator.engine_process = 'separate' (or use 'inproc')")
 
     # ---- derived values (never written back) ----
     @property

@@ -34,15 +34,19 @@ from .checkpoint import RunState, latest_checkpoint, load_checkpoint, save_check
 from .config import AdapterSpec, TrainConfig, dump_config
 from .evaluate import EvalResult, asyncio_generate, evaluate
 from .generator.types import AdapterVersion, GenRequest
+from .generator.validate import AdapterError
 from .learner import Learner, StepStats
 from .metrics import MetricsWriter, summary_table, truncate_metrics
 from .placement import Placement, pin_current_thread, resolve
+from .sync.pack import PackError
 from .tasks import Task, make_task, render_prompt
 
 TAKE_POLL_S = 1.0  # how often a waiting collector re-checks the time budget and producer health
 ADMISSION_POLL_S = 0.25  # producers re-check admission at least this often
 MAX_PULL_FACTOR = 4  # a step takes what it has after pulling this many batches' worth of groups
 INFORMATIVE_EMA = 0.1  # smoothing of the share of groups with a reward signal (admission uses it)
+MAX_REJECTED_IN_A_ROW = 3  # versions of one adapter refused in a row before the run stops
+REJECTED_VERSION = (AdapterError, PackError)  # a refused version, not a broken engine or transport
 CANARY_WARN_NATS = 0.5  # mean |generator - learner| logprob on the probe that means "not applied"
 
 
@@ -74,6 +78,7 @@ class Counters:
     tokens_generated: int = 0
     skipped_nonfinite: int = 0
     canary_warnings: int = 0
+    rejected_versions: int = 0  # versions the transport or the engine refused (older ones kept serving)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -98,6 +103,7 @@ class AdapterRun:
     warned_flat: bool = False
     marks: dict[str, float] = field(default_factory=dict)
     trained: asyncio.Event = field(default_factory=asyncio.Event)
+    rejected_in_a_row: int = 0
     publishing: asyncio.Task | None = None  # the newest version's hand-off (and metrics line)
 
     @property
@@ -119,6 +125,7 @@ class Run:
     adapters: dict[str, AdapterRun]
     tokenizer: Any
     generator: Any
+    transport: Any  # sync.transports.Transport: how new versions reach the generator
     learner: Learner
     learner_pool: concurrent.futures.ThreadPoolExecutor
     buffer: RolloutBuffer
@@ -255,13 +262,27 @@ async def publish_and_record(run: Run, adapter: AdapterRun, version: AdapterVers
         await previous
     if version is not None:
         try:
-            stats = await asyncio.to_thread(run.generator.publish, version)
+            stats = await asyncio.to_thread(run.transport.publish, version)
+        except REJECTED_VERSION as exc:
+            # This version is refused (corrupted transfer, bad values); the live ones keep serving
+            # and the next step publishes a newer one. Repeated refusals mean something systematic.
+            adapter.counters.rejected_versions += 1
+            adapter.rejected_in_a_row += 1
+            row.update(sync_error=str(exc)[:300])
+            run.console.print(f"[red]{adapter.name}@v{version.version} rejected, "
+                              f"v{adapter.published} keeps serving: {exc}[/]")
+            if adapter.rejected_in_a_row >= MAX_REJECTED_IN_A_ROW:
+                run.fatal = run.fatal or TrainingError(
+                    f"{adapter.name}: {adapter.rejected_in_a_row} versions in a row rejected; last: {exc}")
         except Exception as exc:
             run.fatal = run.fatal or TrainingError(f"publishing {adapter.name}@v{version.version} failed: {exc}")
             raise
-        adapter.published = version.version
-        await run.notify()
-        row.update(sync_ms=stats.ms, sync_wait_ms=stats.wait_ms, sync_bytes=stats.bytes)
+        else:
+            adapter.published = version.version
+            adapter.rejected_in_a_row = 0
+            await run.notify()
+            row.update(sync_ms=stats.ms, sync_wait_ms=stats.wait_ms, sync_bytes=stats.bytes,
+                       sync_transport=stats.transport)
     assert run.metrics is not None
     run.metrics.step(row)
     canary_every = run.config.run.canary_every
@@ -392,7 +413,7 @@ async def make_group(run: Run, adapter: AdapterRun, index: int) -> Group | None:
 async def publish_current(run: Run, adapter: AdapterRun) -> None:
     """Hand the learner's current adapter to the generator and wait until it is servable."""
     version = await run.in_learner(run.learner.adapter_version, adapter.name)
-    await asyncio.to_thread(run.generator.publish, version)
+    await asyncio.to_thread(run.transport.publish, version)
     adapter.published = version.version
     await run.notify()
 
@@ -489,8 +510,8 @@ def _install_stop_signals(run: Run) -> None:
 async def setup_run(config: TrainConfig, resume: bool, console: Console) -> Run:
     from transformers import AutoTokenizer
 
-    from .generator.vllm_engine import EngineSpec, VllmGenerator
     from .models import resolve_model
+    from .sync.transports import make_transport
 
     out_dir = Path(config.run.output_dir)
     checkpoint_path = latest_checkpoint(out_dir) if resume else None
@@ -510,13 +531,6 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console) -> Run:
                   f"max_staleness {config.buffer.max_staleness}")
     adapters = {spec.name: AdapterRun(spec, make_task(spec.task, config.run.seed)) for spec in specs}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = EngineSpec(
-        model_dir=model_dir, adapters=tuple(adapters), max_staleness=config.buffer.max_staleness,
-        max_lora_rank=config.max_lora_rank, dtype=config.model.dtype,
-        memory_fraction=config.generator.memory_fraction, kv_cache_gb=config.generator.kv_cache_gb,
-        max_model_len=config.generator.max_model_len, seed=config.run.seed,
-        fast_cpu_lora=config.generator.fast_cpu_lora, engine_log=config.run.engine_log,
-    )
     pool = concurrent.futures.ThreadPoolExecutor(1, "lora-async-learner", pin_current_thread, (learn_place,))
     loop = asyncio.get_running_loop()
 
@@ -526,10 +540,17 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console) -> Run:
 
     # One after the other: vLLM switches torch's process-wide default dtype while it builds
     # its model, which would leak into a learner built at the same time.
-    generator = await asyncio.to_thread(VllmGenerator, engine, gen_place)
+    generator = await asyncio.to_thread(make_generator, config, model_dir, tuple(adapters), gen_place, out_dir)
+    try:
+        transport = await asyncio.to_thread(make_transport, config.sync, config.generator, generator,
+                                            learn_place.device)
+    except BaseException:
+        generator.close()
+        raise
+    console.print(f"sync: {transport.name}")
     learner = await loop.run_in_executor(pool, build_learner)
     run = Run(config=config, out_dir=out_dir, console=console, adapters=adapters, tokenizer=tokenizer,
-              generator=generator, learner=learner, learner_pool=pool,
+              generator=generator, transport=transport, learner=learner, learner_pool=pool,
               buffer=RolloutBuffer(config.buffer.max_tokens, config.buffer.max_staleness,
                                    config.buffer.stale_policy),
               store=AdapterStore(out_dir), placements=(gen_place, learn_place))
@@ -552,6 +573,31 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console) -> Run:
     return run
 
 
+def make_generator(config: TrainConfig, model_dir: Path, adapters: tuple[str, ...], placement: Placement,
+                   out_dir: Path) -> Any:
+    """The generator `generator.backend` names: an engine of our own, or remote servers."""
+    gen = config.generator
+    if gen.backend == "server":
+        from .generator.server import ServerGenerator
+        from .sync.http import ServerSync
+
+        sync = ServerSync(gen.urls, config.sync.dir or out_dir / "sync", gen.api_key, config.sync.timeout_s,
+                          config.sync.retry_budget_s)
+        return ServerGenerator(sync, model_dir, config.buffer.max_staleness, config.max_lora_rank,
+                               gen.request_timeout_s)
+    from .generator.vllm_engine import EngineSpec, VllmGenerator
+
+    spec = EngineSpec(
+        model_dir=model_dir, adapters=adapters, max_staleness=config.buffer.max_staleness,
+        max_lora_rank=config.max_lora_rank, dtype=config.model.dtype,
+        memory_fraction=gen.memory_fraction, kv_cache_gb=gen.kv_cache_gb,
+        max_model_len=gen.max_model_len, seed=config.run.seed,
+        fast_cpu_lora=gen.fast_cpu_lora, engine_log=config.run.engine_log,
+        separate_process=gen.engine_process == "separate",
+    )
+    return VllmGenerator(spec, placement)
+
+
 async def finish_run(run: Run) -> dict[str, Any]:
     try:
         pending = [a.publishing for a in run.adapters.values() if a.publishing is not None]
@@ -569,6 +615,8 @@ async def finish_run(run: Run) -> dict[str, Any]:
     finally:
         if run.metrics is not None:
             run.metrics.close()
+        if run.transport is not None:
+            run.transport.close()
         run.generator.close()
         for adapter in run.adapters.values():
             adapter.task.close()

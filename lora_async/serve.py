@@ -67,6 +67,42 @@ def server_command(run_dir: Path, host: str, port: int, max_model_len: int, kv_c
     return cmd, adapters, model_dir
 
 
+def training_server_command(model_dir: Path, host: str, port: int, max_lora_rank: int, max_loras: int,
+                            max_model_len: int = 1024, kv_cache_gb: float = 1.0,
+                            api_key: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """A server a training run drives (`generator.backend = 'server'`): runtime LoRA loading
+    on, sampling logprobs after temperature (what the learner's importance ratio expects)."""
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", "base",
+        "--host", host, "--port", str(port), "--max-model-len", str(max_model_len),
+        "--enable-lora", "--max-lora-rank", str(vllm_rank(max_lora_rank)),
+        "--max-loras", str(max_loras), "--max-cpu-loras", str(2 * max_loras),
+        "--kv-cache-memory-bytes", str(int(kv_cache_gb * (1 << 30))),
+        "--logprobs-mode", "processed_logprobs",
+        "--disable-log-stats", "--uvicorn-log-level", "warning",
+    ]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    return cmd, env
+
+
+def serve_for_training(model: str, host: str, port: int, max_lora_rank: int, max_loras: int,
+                       max_model_len: int = 1024, kv_cache_gb: float = 1.0, api_key: str | None = None,
+                       console: Console | None = None) -> int:
+    from .models import resolve_model
+
+    console = console or Console(stderr=True)
+    model_dir = resolve_model(model, console)
+    cmd, env = training_server_command(model_dir, host, port, max_lora_rank, max_loras, max_model_len,
+                                       kv_cache_gb, api_key)
+    console.print(f"serving {model_dir} as 'base' for training runs at http://{host}:{port}\n"
+                  f"  use: generator.backend = \"server\", generator.urls = [\"http://{host}:{port}\"]")
+    return run_child(cmd, env)
+
+
 def example_requests(adapters: list[ServedAdapter], host: str, port: int) -> list[str]:
     url = f"http://{host}:{port}/v1/chat/completions"
     return [
@@ -88,6 +124,11 @@ def serve(run_dir: Path, host: str, port: int, max_model_len: int = 1024, kv_cac
     for line in example_requests(adapters, host, port):
         console.print(f"  {line}", highlight=False, soft_wrap=True)
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    return run_child(cmd, env)
+
+
+def run_child(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the server in its own process group, passing SIGINT/SIGTERM on; its exit code."""
     child = subprocess.Popen(cmd, env=env, start_new_session=True)
 
     def forward(signum: int, _frame: object) -> None:

@@ -9,6 +9,7 @@ model `load_weights` (what a full-weight sync ends with) and generates on the ba
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import tempfile
 import time
@@ -38,70 +39,181 @@ def _adapter(model_dir: Path, rank: int, seed: int = 0) -> AdapterVersion:
     return AdapterVersion("bench", 0, tensors, peft_config_dict(cfg))
 
 
-def run_sync_bench(model: str, rank: int, versions: int, transport: str = "local") -> list[dict[str, Any]]:
-    from ..generator.vllm_engine import EngineSpec, VllmGenerator
-    from ..models import resolve_model
-    from ..placement import Placement
-    from ..config import vllm_rank
-    from .common import blocking_generate
+LOCAL = ("inproc", "peft-dir-disk", "peft-dir-devshm", "full-reload")  # in-process engine
+SEPARATE = ("shm", "gloo")  # engine core in a child process
+SERVER = ("http",)  # a `vllm serve` child on 127.0.0.1
+GPU_ONLY = ("cuda-ipc", "nccl")
+ALL = LOCAL + SEPARATE + SERVER + GPU_ONLY
 
+
+def run_sync_bench(model: str, ranks: list[int], versions: int, transports: tuple[str, ...] = LOCAL,
+                   console: Any = None) -> list[dict[str, Any]]:
+    """One row per (transport, rank): median publish time (ready -> registered) and median
+    hot-swap latency (ready -> first token on the new version, less the same on a loaded one).
+
+    One engine of each kind serves every rank (its `max_lora_rank` is the largest asked for)."""
+    from ..config import vllm_rank
+    from ..models import resolve_model
+
+    say = console.print if console is not None else (lambda *a, **k: None)
     model_dir = resolve_model(model)
-    adapter = _adapter(model_dir, rank)
-    spec = EngineSpec(model_dir=model_dir, adapters=("bench", "disk", "shm"), max_staleness=0,
-                      max_lora_rank=vllm_rank(rank), kv_cache_gb=1.0, max_model_len=512, seed=0)
+    adapters = {r: _adapter(model_dir, r) for r in ranks}
+    max_rank = vllm_rank(max(ranks))
+    rows: list[dict[str, Any]] = []
+    wanted = [t for t in ALL if t in transports]
+    local = [t for t in wanted if t in LOCAL]
+    if local:
+        say(f"in-process engine: {', '.join(local)}")
+        rows += _with_engine(model_dir, max_rank, False, local, adapters, versions)
+    separate = [t for t in wanted if t in SEPARATE]
+    if separate:
+        say(f"engine in its own process: {', '.join(separate)}")
+        rows += _with_engine(model_dir, max_rank, True, separate, adapters, versions)
+    if "http" in wanted:
+        say("vllm serve on 127.0.0.1: http")
+        rows += _with_server(model_dir, max_rank, adapters, versions)
+    for name in (t for t in wanted if t in GPU_ONLY):
+        rows.append({"transport": name, "rank": None, "measured": False,
+                     "why": "needs CUDA (this machine has no GPU); see bench/gpu_transport_check.py"})
+    full = next((r["swap_p50_ms"] for r in rows if r["transport"] == "full-reload"), None)
+    for row in rows:
+        if full and row.get("swap_p50_ms"):
+            row["speedup_vs_full"] = full / max(row["swap_p50_ms"], 1e-3)
+    return rows
+
+
+def _fresh_prompts() -> Callable[[], list[int]]:
     counter = iter(range(10**9))
 
-    def fresh_prompt() -> list[int]:
-        n = next(counter)
+    def fresh() -> list[int]:
+        n = next(counter)  # never seen before: the prefix cache never helps one side
         return [1, 504, 3056, 314, 100 + n % 20000, 200 + n // 20000, 30]
+    return fresh
 
-    results = []
+
+def _measure(gen: Any, label: str, rank: int | None, publish: Callable[[int], Any], adapter_name: str | None,
+             versions: int, fresh: Callable[[], list[int]]) -> dict[str, Any]:
+    from .common import blocking_generate
+
+    def probe() -> float:
+        started = time.perf_counter()
+        result = blocking_generate(gen, GenRequest(fresh(), adapter_name, max_tokens=PROBE_TOKENS, temperature=0.0))
+        assert result.ok, result.error
+        return time.perf_counter() - started
+
+    publish(0)  # warm this path up
+    probe()
+    swaps, publishes, size = [], [], 0
+    for v in range(1, versions + 1):
+        started = time.perf_counter()
+        stats = publish(v)
+        registered = time.perf_counter()
+        probe()
+        elapsed = time.perf_counter() - started
+        loaded = statistics.median(probe() for _ in range(BASELINE_REPS))  # same generation, loaded
+        swaps.append((elapsed - loaded) * 1000)
+        publishes.append((registered - started) * 1000)
+        size = stats if isinstance(stats, int) else stats.bytes
+    return {"transport": label, "rank": rank, "measured": True, "versions": versions, "bytes": size,
+            "publish_p50_ms": statistics.median(publishes), "swap_p50_ms": statistics.median(swaps),
+            "swap_max_ms": max(swaps)}
+
+
+def _versions_of(adapter: AdapterVersion, name: str) -> Callable[[int], AdapterVersion]:
+    def make(v: int) -> AdapterVersion:
+        return AdapterVersion(name, v, {k: t * (1 + 0.01 * v) for k, t in adapter.tensors.items()},
+                              adapter.peft_config)
+    return make
+
+
+def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: list[str],
+                 adapters: dict[int, AdapterVersion], versions: int) -> list[dict[str, Any]]:
+    from ..generator.vllm_engine import EngineSpec, VllmGenerator
+    from ..placement import Placement
+    from ..sync.transports import CollectiveTransport, InprocTransport, ShmTransport
+
+    names = tuple(f"{t}-r{r}" for t in transports for r in adapters)
+    spec = EngineSpec(model_dir=model_dir, adapters=names, max_staleness=0, max_lora_rank=max_rank,
+                      kv_cache_gb=1.0, max_model_len=512, seed=0, separate_process=separate)
+    fresh = _fresh_prompts()
+    rows = []
     with VllmGenerator(spec, Placement("cpu", None)) as gen:
-        def probe(name: str | None) -> float:
-            started = time.perf_counter()
-            result = blocking_generate(gen, GenRequest(fresh_prompt(), name, max_tokens=PROBE_TOKENS,
-                                                       temperature=0.0))
-            assert result.ok, result.error
-            return time.perf_counter() - started
+        for transport in transports:
+            if transport == "full-reload":
+                rows.append(_measure(gen, transport, None, _full_reload(gen, model_dir), None, versions, fresh))
+                continue
+            for rank, adapter in adapters.items():
+                name = f"{transport}-r{rank}"
+                make = _versions_of(adapter, name)
+                if transport.startswith("peft-dir"):
+                    root = Path(tempfile.mkdtemp(dir="/dev/shm" if transport.endswith("devshm") else Path.cwd()))
 
-        def measure(label: str, publish: Callable[[int], int], adapter_name: str | None) -> dict[str, Any]:
-            publish(0)  # warm up this path
-            probe(adapter_name)
-            latencies = []
-            size = 0
-            for v in range(1, versions + 1):
-                started = time.perf_counter()
-                size = publish(v)
-                first = probe(adapter_name)
-                elapsed = time.perf_counter() - started
-                # the same generation once this version is loaded (median: the CPU is noisy)
-                loaded = statistics.median(probe(adapter_name) for _ in range(BASELINE_REPS))
-                latencies.append((elapsed - loaded) * 1000)
-            return {"transport": label, "p50_ms": statistics.median(latencies), "max_ms": max(latencies),
-                    "bytes": size, "versions": versions, "rank": rank}
+                    def publish(v: int, root: Path = root, name: str = name, make: Any = make) -> Any:
+                        version = make(v)
+                        path = save_peft_dir(root / f"v{v}", version.tensors, version.peft_config)
+                        return gen.publish_dir(name, v, path)
+                    try:
+                        rows.append(_measure(gen, transport, rank, publish, name, versions, fresh))
+                    finally:
+                        shutil.rmtree(root, ignore_errors=True)
+                    continue
+                sender = {"inproc": lambda: InprocTransport(gen), "shm": lambda: ShmTransport(gen),
+                          "gloo": lambda: CollectiveTransport(gen, backend="gloo")}[transport]()
+                try:
+                    rows.append(_measure(gen, transport, rank, lambda v, s=sender, m=make: s.publish(m(v)),
+                                         name, versions, fresh))
+                finally:
+                    sender.close()
+    return rows
 
-        def version_tensors(v: int) -> dict[str, torch.Tensor]:
-            return {k: t * (1 + 0.01 * v) for k, t in adapter.tensors.items()}
 
-        def inproc(v: int) -> int:
-            return gen.publish(AdapterVersion("bench", v, version_tensors(v), adapter.peft_config)).bytes
+def _with_server(model_dir: Path, max_rank: int, adapters: dict[int, AdapterVersion],
+                 versions: int) -> list[dict[str, Any]]:
+    import os
+    import signal
+    import subprocess
 
-        def directory(root: Path, name: str) -> Callable[[int], int]:
-            def publish(v: int) -> int:
-                path = save_peft_dir(root / f"{name}-v{v}", version_tensors(v), adapter.peft_config)
-                return gen.publish_dir(name, v, path).bytes
-            return publish
+    import requests
 
-        results.append(measure("inproc-tensors", inproc, "bench"))
-        with tempfile.TemporaryDirectory(dir=Path.cwd()) as disk:
-            results.append(measure("peft-dir-disk", directory(Path(disk), "disk"), "disk"))
-        with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
-            results.append(measure("peft-dir-devshm", directory(Path(shm), "shm"), "shm"))
-        results.append(measure("full-reload", _full_reload(gen, model_dir), None))
-    full = results[-1]["p50_ms"]
-    for row in results:
-        row["speedup_vs_full"] = full / row["p50_ms"] if row["p50_ms"] > 0 else None
-    return results
+    from ..generator.server import ServerGenerator
+    from ..serve import training_server_command
+    from ..sync.http import ServerSync
+    from ..sync.transports import HttpTransport, free_port
+
+    port = free_port()
+    cmd, env = training_server_command(model_dir, "127.0.0.1", port, max_rank, max_loras=4, max_model_len=512)
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    rows = []
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}")
+            try:
+                if requests.get(url + "/v1/models", timeout=2).ok:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("vllm serve did not start in 600 s")
+            time.sleep(1)
+        with tempfile.TemporaryDirectory(dir="/dev/shm") as sync_dir:
+            with ServerGenerator(ServerSync([url], sync_dir), model_dir, 0, max_rank) as gen:
+                transport = HttpTransport(gen)
+                fresh = _fresh_prompts()
+                for rank, adapter in adapters.items():
+                    make = _versions_of(adapter, f"http-r{rank}")
+                    rows.append(_measure(gen, "http", rank, lambda v, m=make: transport.publish(m(v)),
+                                         f"http-r{rank}", versions, fresh))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return rows
 
 
 def _full_reload(gen: Any, model_dir: Path) -> Callable[[int], int]:
@@ -112,6 +224,8 @@ def _full_reload(gen: Any, model_dir: Path) -> Callable[[int], int]:
 
     def publish(v: int) -> int:
         tensors = {k: t.clone() for k, t in state.items()}  # what a learner would hand over
+        if gen.spec.separate_process:
+            raise RuntimeError("the full-weight row runs on the in-process engine")
         gen.run_in_engine(lambda eng: eng.collective_rpc("lora_async_load_base_weights", args=(tensors,)))
         return size
 

@@ -89,29 +89,47 @@ def eval_cmd(
         console.print(f"{row['model']:<40} accuracy {row['accuracy']:.3f}  (n={row['n']})", highlight=False)
 
 
+SYNC_TRANSPORTS = ("inproc", "peft-dir-disk", "peft-dir-devshm", "full-reload", "shm", "gloo", "http",
+                   "cuda-ipc", "nccl")
+
+
 @bench_app.command("sync")
 def bench_sync(
-    transport: str = typer.Option("local", "--transport", help="'local' (the four in-process paths) or 'all'."),
+    transport: str = typer.Option(
+        "local", "--transport",
+        help="'local' (in-process engine paths), 'all', or a comma list of: " + ", ".join(SYNC_TRANSPORTS)),
     versions: int = typer.Option(12, "--versions", help="Successive versions measured per path."),
-    rank: int = typer.Option(8, "--rank", help="LoRA rank (all linear layers)."),
+    rank: str = typer.Option("8", "--rank", help="LoRA rank(s), all linear layers: '8' or '1,8,64'."),
     model: str = typer.Option("smollm2-135m", "--model", help="Model name or directory."),
     as_json: bool = typer.Option(False, "--json", help="Print {\"results\": [...]} as JSON."),
 ) -> None:
-    """Hot-swap latency: tensors ready -> first generation on the new version."""
-    from ..bench.sync import run_sync_bench
+    """Adapter sync per transport: publish time and hot-swap latency (ready -> first token)."""
+    from ..bench.sync import ALL, LOCAL, run_sync_bench
 
-    results = run_sync_bench(model, rank, versions, transport)
+    chosen = ALL if transport == "all" else LOCAL if transport == "local" else tuple(transport.split(","))
+    unknown = sorted(set(chosen) - set(ALL))
+    if unknown:
+        fail(f"--transport: unknown {', '.join(unknown)} (choose from {', '.join(ALL)})")
+    try:
+        ranks = [int(r) for r in rank.split(",")]
+    except ValueError:
+        fail("--rank: give integers like '8' or '1,8,64'")
+    results = run_sync_bench(model, ranks, versions, chosen, console=Console(stderr=True))
     if as_json:
         print(json.dumps({"results": results}))
         return
     from rich.table import Table
 
-    table = Table(title=f"adapter sync, r={rank}, {versions} versions")
-    for col in ("transport", "p50_ms", "max_ms", "bytes", "vs_full_reload"):
+    table = Table(title=f"adapter sync, {versions} versions per row")
+    for col in ("transport", "rank", "bytes", "publish p50 ms", "swap p50 ms", "swap max ms", "vs full reload"):
         table.add_column(col)
     for row in results:
-        table.add_row(row["transport"], f"{row['p50_ms']:.1f}", f"{row['max_ms']:.1f}", f"{row['bytes']:,}",
-                      f"{row.get('speedup_vs_full', 0):.0f}x" if row.get("speedup_vs_full") else "-")
+        if not row["measured"]:
+            table.add_row(row["transport"], "-", "-", "not measured", row["why"], "", "")
+            continue
+        table.add_row(row["transport"], str(row["rank"] or "-"), f"{row['bytes']:,}",
+                      f"{row['publish_p50_ms']:.1f}", f"{row['swap_p50_ms']:.1f}", f"{row['swap_max_ms']:.1f}",
+                      f"{row['speedup_vs_full']:.0f}x" if row.get("speedup_vs_full") else "-")
     Console().print(table)
 
 
@@ -232,6 +250,24 @@ def serve(
     except FileNotFoundError as exc:
         fail(str(exc), code=1)
     raise typer.Exit(code)
+
+
+@app.command("server")
+def training_server(
+    model: str = typer.Argument("smollm2-135m", help="Model name or local HF directory."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    max_lora_rank: int = typer.Option(8, "--max-lora-rank"),
+    max_loras: int = typer.Option(4, "--max-loras", help="Adapter versions in one batch."),
+    max_model_len: int = typer.Option(1024, "--max-model-len"),
+    kv_cache_gb: float = typer.Option(1.0, "--kv-cache-gb", help="KV cache size (CPU)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LORA_ASYNC_API_KEY"),
+) -> None:
+    """A vLLM server that training runs drive remotely (generator.backend = "server")."""
+    from ..serve import serve_for_training
+
+    raise typer.Exit(serve_for_training(model, host, port, max_lora_rank, max_loras, max_model_len,
+                                        kv_cache_gb, api_key))
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -67,6 +67,7 @@ class PublishStats:
     ms: float  # the work: tensors ready -> registered, less the wait below
     retired: list[str] = field(default_factory=list)
     wait_ms: float = 0.0  # waiting for the engine to finish its current step (never a pause)
+    transport: str = "inproc"
 
     @property
     def total_ms(self) -> float:

@@ -61,6 +61,7 @@ class EngineSpec:
     fast_cpu_lora: bool = True
     engine_log: bool = False
     max_num_seqs: int = 256
+    separate_process: bool = False  # the engine core (and its worker) in a child process
 
     @property
     def max_loras(self) -> int:
@@ -107,6 +108,9 @@ class VllmGenerator:
         tensors already in the serving dtype are packed into a fresh buffer first.
         """
         self._check_alive()
+        if self.spec.separate_process:
+            raise AdapterError("the engine runs in its own process: publish through a transport "
+                               "(sync.transport = 'shm', 'nccl' or 'cuda-ipc'), not in-process tensors")
         started = time.perf_counter()
         serving = _torch_dtype(self.spec.dtype)
         name = f"{version.adapter}@v{version.version}"
@@ -132,6 +136,28 @@ class VllmGenerator:
         self._check_alive()
         now = time.perf_counter()
         return self._call("publish", packed, started or now, now)
+
+    def validate(self, version: AdapterVersion) -> None:
+        """The structural and value checks `publish` runs, for transports that pack themselves."""
+        name = f"{version.adapter}@v{version.version}"
+        try:
+            signature = adapter_signature(version)
+            if signature not in self._validated:
+                validate_adapter(version, self.shapes, self.spec.max_lora_rank, check_values=False)
+                self._validated.add(signature)
+            self.registry.check_new(version.adapter, version.version)
+            check_finite_all(name, list(version.tensors.values()))
+        except Exception:
+            self.stats["rejected_versions"] += 1
+            raise
+
+    def register(self, adapter: str, version: int, nbytes: int, load: Callable[[Any, int], Any],
+                 started: float) -> PublishStats:
+        """Register a version whose tensors a transport delivers: `load(engine, int_id)` runs on
+        the engine thread, between steps, and must leave the worker holding adapter `int_id`.
+        A load that raises registers nothing; the versions already live keep serving."""
+        self._check_alive()
+        return self._call("register", adapter, version, nbytes, load, started, time.perf_counter())
 
     def publish_dir(self, adapter: str, version: int, path: Path) -> PublishStats:
         """Register a version that vLLM loads itself from a PEFT directory (its file path)."""
@@ -205,7 +231,13 @@ class VllmGenerator:
 
     def _start_engine(self) -> Any:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if self.spec.engine_log else "ERROR")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs on this thread
+        # In-process: the engine core runs on this thread. Separate: vLLM starts a child process
+        # for it and this thread drives it over ZMQ (same LLMEngine API).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.spec.separate_process and self.placement.device == "cpu" and self.placement.cpus:
+            from ..placement import format_cpus
+
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = format_cpus(self.placement.cpus)
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -213,7 +245,7 @@ class VllmGenerator:
 
         check_vllm_compat()
         on_cpu = self.placement.device == "cpu"
-        if on_cpu and self.spec.fast_cpu_lora:
+        if on_cpu and self.spec.fast_cpu_lora and not self.spec.separate_process:
             install_fast_cpu_lora_ops()
         kv_bytes = int(self.spec.kv_cache_gb * (1 << 30)) if self.spec.kv_cache_gb else None
         args = EngineArgs(
@@ -232,7 +264,9 @@ class VllmGenerator:
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
         )
-        engine = LLMEngine.from_engine_args(args)
+        engine = LLMEngine.from_engine_args(args, enable_multiprocessing=self.spec.separate_process)
+        if on_cpu and self.spec.fast_cpu_lora and self.spec.separate_process:
+            engine.collective_rpc("lora_async_install_fast_ops")
         self._tokenizer = engine.get_tokenizer()
         return engine
 
@@ -282,6 +316,8 @@ class VllmGenerator:
             return self._register(command[1], command[2], command[3])
         if kind == "publish_dir":
             return self._register_dir(*command[1:-1])
+        if kind == "register":
+            return self._register_with(*command[1:-1])
         if kind == "fn":
             return command[1]()
         raise ValueError(f"unknown command {kind!r}")
@@ -322,6 +358,25 @@ class VllmGenerator:
             retired=retired,
             wait_ms=(dequeued - queued) * 1000,
         )
+
+    def _register_with(self, adapter: str, version: int, nbytes: int, load: Callable[[Any, int], Any],
+                       started: float, queued: float) -> PublishStats:
+        dequeued = time.perf_counter()
+        registry = self.registry
+        registry.check_new(adapter, version)
+        if registry.is_full():
+            self._evict(registry.oldest_outside_window())
+        int_id = registry.reserve_id()
+        try:
+            load(self._engine, int_id)
+        except Exception:
+            self.stats["rejected_versions"] += 1
+            raise
+        live = registry.add(adapter, version, int_id)
+        retired = [self._retire(old) for old in registry.retirable()]
+        return PublishStats(adapter, version, live.vllm_name, int_id, nbytes,
+                            (time.perf_counter() - dequeued + queued - started) * 1000, retired,
+                            wait_ms=(dequeued - queued) * 1000)
 
     def _register_dir(self, adapter: str, version: int, path: str, started: float, queued: float) -> PublishStats:
         from vllm.lora.request import LoRARequest

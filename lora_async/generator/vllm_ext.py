@@ -163,6 +163,12 @@ class LoraAsyncWorkerExtension:
     def lora_async_remove(self, int_id: int) -> bool:
         return bool(self._lora_async_manager().remove_adapter(int_id))
 
+    def lora_async_pid(self) -> int:
+        """The worker's process id (where the engine really runs)."""
+        import os
+
+        return os.getpid()
+
     def lora_async_list(self) -> list[int]:
         return sorted(self._lora_async_manager().list_adapters())
 
@@ -172,6 +178,36 @@ class LoraAsyncWorkerExtension:
         its LoRA state afterwards, so the generator must not be used for adapters after this."""
         self.model_runner.reload_weights(weights_iterator=iter(state_dict.items()))  # type: ignore[attr-defined]
         return len(state_dict)
+
+    # ---- cross-process transports (lora_async/sync): the worker's receiving half
+    def lora_async_add_shm(self, int_id: int, segment: str, meta: dict) -> int:
+        """Register from a POSIX shared-memory segment the sender owns (one copy out of it)."""
+        from lora_async.sync.receive import receive_shm
+
+        return self.lora_async_add_tensors(int_id, receive_shm(segment, meta), meta["peft_config"])
+
+    def lora_async_add_ipc(self, int_id: int, handle: bytes, meta: dict) -> int:
+        """Register from a CUDA IPC handle to the sender's packed buffer (one copy out of it)."""
+        from lora_async.sync.receive import receive_ipc
+
+        return self.lora_async_add_tensors(int_id, receive_ipc(handle, meta), meta["peft_config"])
+
+    def lora_async_join_group(self, host: str, port: int, world_size: int, backend: str,
+                              timeout_s: float) -> int:
+        """Join the sender's dedicated process group as rank 1 + this worker's rank."""
+        from lora_async.sync.receive import CollectiveReceiver
+
+        rank = 1 + int(getattr(self, "rank", 0))
+        device = str(getattr(self, "device", "cpu")) if backend == "nccl" else "cpu"
+        self._lora_async_receiver = CollectiveReceiver(host, port, rank, world_size, backend, timeout_s, device)
+        return rank
+
+    def lora_async_add_broadcast(self, int_id: int, meta: dict) -> int:
+        """Receive one broadcast of a packed adapter from the sender (rank 0), then register it."""
+        receiver = getattr(self, "_lora_async_receiver", None)
+        if receiver is None:
+            raise RuntimeError("this worker has not joined a lora-async process group")
+        return self.lora_async_add_tensors(int_id, receiver.receive(meta), meta["peft_config"])
 
     def lora_async_add_bytes(self, int_id: int, payload: bytes, peft_config: dict) -> int:
         """Register from `safetensors.torch.save` bytes (crosses a process boundary intact)."""

@@ -28,7 +28,21 @@ _ITEMSIZE = {v: torch.empty((), dtype=v).element_size() for v in _DTYPES.values(
 
 
 class PackError(ValueError):
-    """A packed adapter that does not unpack: truncated, corrupted or inconsistent."""
+    """A packed adapter that does not unpack: truncated, corrupted or inconsistent.
+
+    The message starts with `MARK`, so the refusal is still recognisable after crossing a
+    process boundary as plain text (vLLM's RPC keeps only the message)."""
+
+    MARK = "rejected transfer: "
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message if message.startswith(self.MARK) else self.MARK + message)
+
+    @classmethod
+    def from_remote(cls, exc: BaseException) -> BaseException:
+        """`exc` as a PackError when its text says it was one on the other side."""
+        text = str(exc)
+        return cls(text[text.index(cls.MARK):]) if cls.MARK in text else exc
 
 
 @dataclass(frozen=True)

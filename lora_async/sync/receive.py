@@ -1,0 +1,109 @@
+"""The receiving half of every cross-process transport: torch only, no vLLM.
+
+Each function ends with tensors the receiver owns (one copy out of the transport's memory),
+after the checksum and bounds checks of `pack.unpack_views`. The vLLM worker extension calls
+these; the GPU transport check (`bench/gpu_transport_check.py`) calls them without vLLM.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .pack import PackedAdapter, PackError, unpack_views
+
+GROUP_PREFIX = "lora-async-sync"
+
+
+def _owned(meta: dict, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views into `buffer` (which must already be the receiver's own copy), checked."""
+    packed = PackedAdapter.from_meta(meta, buffer)
+    return unpack_views(packed)
+
+
+def receive_shm(segment: str, meta: dict) -> dict[str, torch.Tensor]:
+    """Copy a packed adapter out of the POSIX shared-memory segment `segment`.
+
+    Opened with `shm_open` + `mmap` directly: `multiprocessing.shared_memory` would register
+    the segment with a resource tracker that vLLM's child processes share with the sender."""
+    import mmap
+    import os
+
+    import _posixshmem
+    import numpy as np
+
+    nbytes = int(meta["nbytes"])
+    try:
+        fd = _posixshmem.shm_open("/" + segment.lstrip("/"), os.O_RDONLY, mode=0)
+    except FileNotFoundError as exc:
+        raise PackError(f"shared-memory segment {segment!r} is gone") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise PackError(f"truncated buffer: segment holds {size} bytes, expected {nbytes}")
+        mapped = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ) if nbytes else None
+    finally:
+        os.close(fd)
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if mapped is not None:
+        source = np.frombuffer(mapped, dtype=np.uint8, count=nbytes)
+        buffer.numpy()[:] = source  # the one copy: out of shared memory into our own buffer
+        del source
+        mapped.close()
+    return _owned(meta, buffer)
+
+
+def receive_ipc(handle: bytes, meta: dict, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Copy a packed adapter out of another process's CUDA buffer (a `reduce_tensor` handle).
+
+    The sender keeps its buffer alive until this returns."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor  # noqa: F401  (pickle target)
+
+    rebuild, args = pickle.loads(handle)
+    source = rebuild(*args)
+    buffer = source.to(device, copy=True)
+    del source
+    return _owned(meta, buffer)
+
+
+class CollectiveReceiver:
+    """One member (rank >= 1) of the sender's dedicated process group; receives broadcasts."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                 timeout_s: float, device: str = "cpu") -> None:
+        self.rank, self.device = rank, device
+        self.group = make_group(host, port, rank, world_size, backend, timeout_s)
+
+    def receive(self, meta: dict) -> dict[str, torch.Tensor]:
+        buffer = torch.empty(int(meta["nbytes"]), dtype=torch.uint8, device=self.device)
+        broadcast(self.group, buffer)
+        if buffer.device.type != "cpu":
+            buffer = buffer.cpu()  # vLLM builds LoRA models on the CPU, then activates them
+        return _owned(meta, buffer)
+
+
+def make_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
+    """A process group of its own (not torch's default group, which vLLM's workers use)."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+    store = dist.PrefixStore(GROUP_PREFIX, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    raise ValueError(f"unknown process-group backend {backend!r}")
+
+
+def broadcast(group: Any, buffer: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([buffer], options).wait()
