@@ -48,6 +48,13 @@ def test_slots_are_derived_from_the_config():
     ("[generator]\nmax_new_tokens = 5000\nmax_model_len = 1024\n", "max_new_tokens"),
     ("[task]\ntype = \"jsonl\"\npath = \"missing.jsonl\"\n", "task.path"),
     ("[run\n", "not valid TOML"),
+    ("[generator]\nbackend = \"server\"\n", "generator.urls: backend 'server' needs"),
+    ("[generator]\nurls = [\"ftp://x\"]\n", "generator.urls"),
+    ("[sync]\ntransport = \"shm\"\n", "sync.transport: 'shm' crosses a process boundary"),
+    ("[generator]\nengine_process = \"separate\"\n[sync]\ntransport = \"inproc\"\n", "sync.transport"),
+    ("[generator]\nbackend = \"server\"\nurls = [\"http://h:1\"]\n[sync]\ntransport = \"shm\"\n",
+     "sync.transport"),
+    ("[sync]\ntransport = \"carrier-pigeon\"\n", "sync.transport"),
 ])
 def test_config_errors_name_the_field(tmp_path, text, field):
     with pytest.raises(ConfigError) as err:
@@ -116,3 +123,17 @@ def test_fleet_specs_resolve_overrides(tmp_path):
     assert (a.name, a.lora.rank, a.lr, a.weight) == ("a", 8, 1e-3, 1.0)
     assert (b.name, b.lora.rank, b.lr, b.weight, b.max_new_tokens, b.task.ops) == ("b", 16, 5e-4, 2.0, 7, ["-"])
     assert cfg.max_lora_rank == 16 and cfg.max_loras == 2 * (cfg.buffer.max_staleness + 1) + 1
+
+
+@pytest.mark.parametrize("sections, transport", [
+    ({}, "inproc"),
+    ({"generator": {"engine_process": "separate"}}, "shm"),
+    ({"generator": {"engine_process": "separate"}, "sync": {"transport": "nccl", "backend": "gloo"}}, "nccl"),
+    ({"generator": {"backend": "server", "urls": ["http://127.0.0.1:8000/"]}}, "http"),
+])
+def test_sync_transport_auto_follows_the_generator(sections, transport):
+    from lora_async.config import TrainConfig
+
+    config = TrainConfig(**sections)
+    assert config.sync.resolved(config.generator) == transport
+    assert all(not u.endswith("/") for u in config.generator.urls)
