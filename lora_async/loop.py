@@ -634,6 +634,7 @@ async def finish_run(run: Run) -> dict[str, Any]:
         summary[f"{prefix}zero_adv_groups"] = adapter.counters.zero_adv_groups
         summary[f"{prefix}tokens_generated"] = adapter.counters.tokens_generated
         summary[f"{prefix}skipped_nonfinite"] = adapter.counters.skipped_nonfinite
+        summary[f"{prefix}rejected_versions"] = adapter.counters.rejected_versions
         summary[f"{prefix}reward_errors"] = adapter.task.stats.errors
         for row in (r for r in run.evals if r["adapter"] == name):
             summary[f"{prefix}accuracy_{row['when']}"] = row["accuracy"]
@@ -712,5 +713,6 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         "logprob_mismatch": ls.logprob_mismatch,
         "logprob_mismatch_onpolicy": ls.onpolicy_mismatch,
         "skipped_nonfinite": adapter.counters.skipped_nonfinite,
+        "rejected_versions": adapter.counters.rejected_versions,
         "reward_errors": adapter.task.stats.errors,
     }

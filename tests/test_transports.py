@@ -310,3 +310,46 @@ def test_three_training_steps_against_the_server(server, tiny_model, tmp_path, m
     onpolicy = [r["logprob_mismatch_onpolicy"] for r in rows if r["logprob_mismatch_onpolicy"] is not None]
     assert onpolicy and all(m < 0.1 for m in onpolicy)  # the server's logprobs are the learner's
     assert json.loads((tmp_path / "remote" / "config.json").read_text())["generator"]["backend"] == "server"
+
+
+def test_training_through_shm_into_a_separate_engine_survives_a_corrupted_version(tiny_model, tmp_path,
+                                                                                  monkeypatch):
+    """`lora-async train` with the engine in its own process: versions cross by shared memory;
+    one transfer is damaged in flight, is refused and counted, and training goes on."""
+    import asyncio
+
+    from lora_async.config import load_config
+    from lora_async.loop import train
+    from lora_async.metrics import read_metrics
+
+    from .test_train import make_config
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(make_config(tmp_path, tiny_model, "shm-run", run={"max_steps": 5},
+                                     generator={"engine_process": "separate"}))
+    damaged = []
+
+    def damage_one_transfer(run):
+        if run.global_step != 2 or damaged:
+            return
+        transport = run.transport
+        assert transport.name == "shm"
+        loader = transport._loader
+
+        def flip_once(packed, meta):
+            if not damaged:
+                damaged.append(meta["version"])
+                transport._tensor[meta["nbytes"] // 3] ^= 0xFF
+            return loader(packed, meta)
+        transport._loader = flip_once
+
+    summary = asyncio.run(train(config, on_step=damage_one_transfer))
+    rows = [r for r in read_metrics(tmp_path / "shm-run" / "metrics.jsonl") if "kind" not in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    refused = [r for r in rows if r.get("sync_error")]
+    assert len(refused) == 1 and "checksum mismatch" in refused[0]["sync_error"]
+    assert refused[0]["version"] == damaged[0]
+    assert all(r["sync_transport"] == "shm" for r in rows if not r.get("sync_error"))
+    assert summary["rejected_versions"] == 1 and summary["steps"] == 5
+    onpolicy = [r["logprob_mismatch_onpolicy"] for r in rows if r["logprob_mismatch_onpolicy"] is not None]
+    assert onpolicy and all(m < 0.1 for m in onpolicy)  # what crossed intact is what was trained
