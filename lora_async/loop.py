@@ -523,11 +523,16 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console) -> Run:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(dump_config(config))
     model_dir = resolve_model(config.model.name, console)
+    # `auto` splits the cores only when a local engine generates while the learner trains
+    local_engine = config.generator.backend == "vllm"
     gen_place, learn_place = resolve(config.generator.device, config.generator.cpus, config.learner.device,
-                                     config.learner.cpus, concurrent=config.buffer.max_staleness > 0)
+                                     config.learner.cpus, concurrent=config.buffer.max_staleness > 0 and local_engine)
     specs = config.adapter_specs
+    where = (f"vllm serve at {', '.join(config.generator.urls)}" if config.generator.backend == "server"
+             else f"{gen_place.describe()}" + (" (engine in its own process)"
+                                               if config.generator.engine_process == "separate" else ""))
     console.print(f"model {config.model.name} ({model_dir}); adapters {', '.join(s.name for s in specs)}\n"
-                  f"generator on {gen_place.describe()}, learner on {learn_place.describe()}, "
+                  f"generator on {where}, learner on {learn_place.describe()}, "
                   f"max_staleness {config.buffer.max_staleness}")
     adapters = {spec.name: AdapterRun(spec, make_task(spec.task, config.run.seed)) for spec in specs}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

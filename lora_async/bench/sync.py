@@ -47,11 +47,15 @@ ALL = LOCAL + SEPARATE + SERVER + GPU_ONLY
 
 
 def run_sync_bench(model: str, ranks: list[int], versions: int, transports: tuple[str, ...] = LOCAL,
-                   console: Any = None) -> list[dict[str, Any]]:
-    """One row per (transport, rank): median publish time (ready -> registered) and median
-    hot-swap latency (ready -> first token on the new version, less the same on a loaded one).
+                   console: Any = None, cpus: str | None = "0") -> list[dict[str, Any]]:
+    """One row per (transport, rank): median and max hot-swap latency (`p50_ms`, `max_ms`:
+    tensors ready -> first token on the new version, less the same on a loaded one) and the
+    median publish time alone (`publish_p50_ms`: ready -> registered).
 
-    One engine of each kind serves every rank (its `max_lora_rank` is the largest asked for)."""
+    One engine of each kind serves every rank (its `max_lora_rank` is the largest asked for).
+    The engine runs on the cores `cpus` (one core by default: a probe on 2 OpenMP threads
+    varies by tens of ms on a shared machine, on one it varies by a few); the sender runs on
+    the rest, as a learner would."""
     from ..config import vllm_rank
     from ..models import resolve_model
 
@@ -64,21 +68,21 @@ def run_sync_bench(model: str, ranks: list[int], versions: int, transports: tupl
     local = [t for t in wanted if t in LOCAL]
     if local:
         say(f"in-process engine: {', '.join(local)}")
-        rows += _with_engine(model_dir, max_rank, False, local, adapters, versions)
+        rows += _with_engine(model_dir, max_rank, False, local, adapters, versions, cpus)
     separate = [t for t in wanted if t in SEPARATE]
     if separate:
         say(f"engine in its own process: {', '.join(separate)}")
-        rows += _with_engine(model_dir, max_rank, True, separate, adapters, versions)
+        rows += _with_engine(model_dir, max_rank, True, separate, adapters, versions, cpus)
     if "http" in wanted:
         say("vllm serve on 127.0.0.1: http")
-        rows += _with_server(model_dir, max_rank, adapters, versions)
+        rows += _with_server(model_dir, max_rank, adapters, versions, cpus)
     for name in (t for t in wanted if t in GPU_ONLY):
         rows.append({"transport": name, "rank": None, "measured": False,
                      "why": "needs CUDA (this machine has no GPU); see bench/gpu_transport_check.py"})
-    full = next((r["swap_p50_ms"] for r in rows if r["transport"] == "full-reload"), None)
+    full = next((r["p50_ms"] for r in rows if r["transport"] == "full-reload"), None)
     for row in rows:
-        if full and row.get("swap_p50_ms"):
-            row["speedup_vs_full"] = full / max(row["swap_p50_ms"], 1e-3)
+        if full and row.get("p50_ms"):
+            row["speedup_vs_full"] = full / max(row["p50_ms"], 1e-3)
     return rows
 
 
@@ -115,8 +119,8 @@ def _measure(gen: Any, label: str, rank: int | None, publish: Callable[[int], An
         publishes.append((registered - started) * 1000)
         size = stats if isinstance(stats, int) else stats.bytes
     return {"transport": label, "rank": rank, "measured": True, "versions": versions, "bytes": size,
-            "publish_p50_ms": statistics.median(publishes), "swap_p50_ms": statistics.median(swaps),
-            "swap_max_ms": max(swaps)}
+            "p50_ms": statistics.median(swaps), "max_ms": max(swaps),
+            "publish_p50_ms": statistics.median(publishes)}
 
 
 def _versions_of(adapter: AdapterVersion, name: str) -> Callable[[int], AdapterVersion]:
@@ -127,9 +131,9 @@ def _versions_of(adapter: AdapterVersion, name: str) -> Callable[[int], AdapterV
 
 
 def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: list[str],
-                 adapters: dict[int, AdapterVersion], versions: int) -> list[dict[str, Any]]:
+                 adapters: dict[int, AdapterVersion], versions: int, cpus: str | None) -> list[dict[str, Any]]:
     from ..generator.vllm_engine import EngineSpec, VllmGenerator
-    from ..placement import Placement
+    from ..placement import Placement, parse_cpus
     from ..sync.transports import CollectiveTransport, InprocTransport, ShmTransport
 
     names = tuple(f"{t}-r{r}" for t in transports for r in adapters)
@@ -137,7 +141,8 @@ def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: lis
                       kv_cache_gb=1.0, max_model_len=512, seed=0, separate_process=separate)
     fresh = _fresh_prompts()
     rows = []
-    with VllmGenerator(spec, Placement("cpu", None)) as gen:
+    placement = Placement("cpu", parse_cpus(cpus) if cpus else None)
+    with VllmGenerator(spec, placement) as gen:
         for transport in transports:
             if transport == "full-reload":
                 rows.append(_measure(gen, transport, None, _full_reload(gen, model_dir), None, versions, fresh))
@@ -168,7 +173,7 @@ def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: lis
 
 
 def _with_server(model_dir: Path, max_rank: int, adapters: dict[int, AdapterVersion],
-                 versions: int) -> list[dict[str, Any]]:
+                 versions: int, cpus: str | None) -> list[dict[str, Any]]:
     import os
     import signal
     import subprocess
@@ -182,6 +187,8 @@ def _with_server(model_dir: Path, max_rank: int, adapters: dict[int, AdapterVers
 
     port = free_port()
     cmd, env = training_server_command(model_dir, "127.0.0.1", port, max_rank, max_loras=4, max_model_len=512)
+    if cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

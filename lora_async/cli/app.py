@@ -52,11 +52,13 @@ def train(
 
     from ..loop import TrainingError, train as run_train
     from ..models import ModelError
+    from ..sync.http import ServerError
+    from ..sync.transports import TransportError
     from ..tasks import RewardError
 
     try:
         summary = asyncio.run(run_train(cfg, resume=resume))
-    except (TrainingError, ModelError, RewardError) as exc:
+    except (TrainingError, ModelError, RewardError, TransportError, ServerError) as exc:
         fail(str(exc), code=1)
     except KeyboardInterrupt:
         fail("interrupted; the last checkpoint is in run.output_dir (use --resume)", code=130)
@@ -101,6 +103,7 @@ def bench_sync(
     versions: int = typer.Option(12, "--versions", help="Successive versions measured per path."),
     rank: str = typer.Option("8", "--rank", help="LoRA rank(s), all linear layers: '8' or '1,8,64'."),
     model: str = typer.Option("smollm2-135m", "--model", help="Model name or directory."),
+    cpus: str = typer.Option("0", "--cpus", help="Engine cores ('0', '0-1'; 'all' = no pinning)."),
     as_json: bool = typer.Option(False, "--json", help="Print {\"results\": [...]} as JSON."),
 ) -> None:
     """Adapter sync per transport: publish time and hot-swap latency (ready -> first token)."""
@@ -114,7 +117,8 @@ def bench_sync(
         ranks = [int(r) for r in rank.split(",")]
     except ValueError:
         fail("--rank: give integers like '8' or '1,8,64'")
-    results = run_sync_bench(model, ranks, versions, chosen, console=Console(stderr=True))
+    results = run_sync_bench(model, ranks, versions, chosen, console=Console(stderr=True),
+                             cpus=None if cpus == "all" else cpus)
     if as_json:
         print(json.dumps({"results": results}))
         return
@@ -128,7 +132,7 @@ def bench_sync(
             table.add_row(row["transport"], "-", "-", "not measured", row["why"], "", "")
             continue
         table.add_row(row["transport"], str(row["rank"] or "-"), f"{row['bytes']:,}",
-                      f"{row['publish_p50_ms']:.1f}", f"{row['swap_p50_ms']:.1f}", f"{row['swap_max_ms']:.1f}",
+                      f"{row['publish_p50_ms']:.1f}", f"{row['p50_ms']:.1f}", f"{row['max_ms']:.1f}",
                       f"{row['speedup_vs_full']:.0f}x" if row.get("speedup_vs_full") else "-")
     Console().print(table)
 

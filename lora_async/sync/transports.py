@@ -172,6 +172,9 @@ class CollectiveTransport(_PackingTransport):
 
     def __init__(self, generator: Any, backend: str = "nccl", device: str = "cpu", checksum: bool = True,
                  timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
+        if backend == "nccl" and (not device.startswith("cuda") or not torch.cuda.is_available()):
+            raise TransportError("sync.backend 'nccl' needs the learner on a GPU (learner.device = 'cuda:N'); "
+                                 "use sync.backend = 'gloo' on CPU")
         super().__init__(generator, checksum, timeout_s)
         from .receive import make_group
 
