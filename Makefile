@@ -5,8 +5,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lora-async-installed
 DEMO_OUT ?= runs/demo
+BENCH_STAMP := $(VENV)/.lora-async-bench-installed
+PEERS_BUDGET ?= 300
+PEERS_OUT ?= runs/peers
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-peers clean
 
 install: $(STAMP)
 
@@ -36,6 +39,21 @@ test: install
 bench: install
 	$(BIN)/lora-async bench sync
 	$(BIN)/lora-async bench e2e examples/arithmetic.toml
+
+# The peer benchmark (lora-async async and sync vs TRL's GRPOTrainer) needs the `bench` extra
+# (TRL, pinned to a version that leaves torch, transformers, peft and vllm as they are); same
+# extra choice and the same torchvision clean-up as `install`.
+$(BENCH_STAMP): $(STAMP)
+	@extra="$${LORA_ASYNC_EXTRA:-$$(nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)}"; \
+	echo "installing lora-async[$$extra,bench] into $(VENV)"; \
+	$(BIN)/python -m pip install -q -e ".[$$extra,bench]" || exit 1; \
+	if [ "$$extra" = cpu ]; then \
+	  $(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true; \
+	fi
+	touch $(BENCH_STAMP)
+
+bench-peers: $(BENCH_STAMP)
+	$(BIN)/python bench/peers/run.py --budget $(PEERS_BUDGET) --out $(PEERS_OUT) --results bench/results/peers.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -83,8 +83,9 @@ def run_eval(config: Any, adapter_dir: Any, limit: int = 0) -> dict:
 
     from .adapters import load_peft_dir
     from .generator.vllm_engine import EngineSpec, VllmGenerator
+
     from .models import resolve_model
-    from .placement import Placement
+    from .placement import Placement, cuda_available
     from .tasks import make_task
 
     model_dir = resolve_model(config.model.name)
@@ -105,8 +106,10 @@ def run_eval(config: Any, adapter_dir: Any, limit: int = 0) -> dict:
                       engine_log=config.run.engine_log)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     results = []
-    with VllmGenerator(spec, Placement("cpu" if config.generator.device in ("auto", "cpu") else
-                                       config.generator.device, None)) as generator:
+    device = config.generator.device
+    if device == "auto":
+        device = "cuda:0" if cuda_available() else "cpu"
+    with VllmGenerator(spec, Placement(device, None)) as generator:
         if adapter_dir is not None:
             # vLLM loads the directory itself (LoRARequest path), as `vllm serve` would.
             generator.publish_dir("eval", 0, Path(adapter_dir).resolve())

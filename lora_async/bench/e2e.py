@@ -9,6 +9,7 @@ cores (they take turns). Held-out accuracy is evaluated every `eval_every` steps
 from __future__ import annotations
 
 import json
+import statistics
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,7 @@ def summarize(run_dir: Path, budget: float) -> dict[str, Any]:
     step_time = [b["wall_s"] - a["wall_s"] for a, b in zip([{"wall_s": 0.0}] + steps, steps)]
     weighted_idle = sum(t * r["gen_idle_frac"] for t, r in zip(step_time, steps))
     sync_s = sum(r["sync_ms"] for r in steps) / 1000
+    synced = [r["sync_ms"] for r in steps if r["updated"] and not r.get("sync_error")]
     wait_s = sum(r.get("sync_wait_ms", 0.0) for r in steps) / 1000
     return {
         "steps": len(steps),
@@ -43,7 +45,7 @@ def summarize(run_dir: Path, budget: float) -> dict[str, Any]:
         "gen_idle_frac": weighted_idle / wall if wall else None,
         "sync_share": sync_s / wall if wall else None,
         "sync_wait_share": wait_s / wall if wall else None,  # in the background: nobody waits
-        "sync_ms_p50": sorted(r["sync_ms"] for r in steps if r["updated"])[len(steps) // 2] if steps else None,
+        "sync_ms_p50": statistics.median(synced) if synced else None,
         "dropped_stale": steps[-1]["dropped_stale"] if steps else 0,
         "policy_lag_mean": sum(r["policy_lag_mean"] for r in steps) / len(steps) if steps else None,
         "budget_s": budget,
