@@ -36,9 +36,11 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q
 
+# The figures in bench/RESULTS.md (each command is also listed there).
 bench: install
-	$(BIN)/lora-async bench sync
+	$(BIN)/lora-async bench sync --transport all --rank 1,8,64 --versions 12
 	$(BIN)/lora-async bench e2e examples/arithmetic.toml
+	$(BIN)/lora-async bench fleet examples/arithmetic.toml --k 4 --steps 4
 
 # The peer benchmark (lora-async async and sync vs TRL's GRPOTrainer) needs the `bench` extra
 # (TRL, pinned to a version that leaves torch, transformers, peft and vllm as they are); same
