@@ -39,6 +39,7 @@ test: install
 # The figures in bench/RESULTS.md (each command is also listed there).
 bench: install
 	$(BIN)/lora-async bench sync --transport all --rank 1,8,64 --versions 12
+	$(BIN)/lora-async bench gen
 	$(BIN)/lora-async bench e2e examples/arithmetic.toml
 	$(BIN)/lora-async bench fleet examples/arithmetic.toml --k 4 --steps 4
 

@@ -35,6 +35,7 @@ from .config import AdapterSpec, TrainConfig, dump_config
 from .evaluate import EvalResult, asyncio_generate, evaluate
 from .generator.types import AdapterVersion, GenRequest
 from .generator.validate import AdapterError
+from .generator.vllm_engine import ABORTED_STALE
 from .learner import Learner, StepStats
 from .metrics import MetricsWriter, summary_table, truncate_metrics
 from .placement import Placement, pin_current_thread, resolve
@@ -45,6 +46,7 @@ TAKE_POLL_S = 1.0  # how often a waiting collector re-checks the time budget and
 ADMISSION_POLL_S = 0.25  # producers re-check admission at least this often
 MAX_PULL_FACTOR = 4  # a step takes what it has after pulling this many batches' worth of groups
 INFORMATIVE_EMA = 0.1  # smoothing of the share of groups with a reward signal (admission uses it)
+ROLLOUT_TAG = "rollout"  # GenRequest.tag of training rollouts (the only requests cut short as stale)
 MAX_REJECTED_IN_A_ROW = 3  # versions of one adapter refused in a row before the run stops
 REJECTED_VERSION = (AdapterError, PackError)  # a refused version, not a broken engine or transport
 CANARY_WARN_NATS = 0.5  # mean |generator - learner| logprob on the probe that means "not applied"
@@ -79,6 +81,7 @@ class Counters:
     skipped_nonfinite: int = 0
     canary_warnings: int = 0
     rejected_versions: int = 0  # versions the transport or the engine refused (older ones kept serving)
+    aborted_stale: int = 0  # groups stopped mid-generation: they would have been too stale to train
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -222,6 +225,11 @@ async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None
     the learner never waits for the engine to reach a step boundary; the step's metrics line is
     written once the version is registered (with its sync time)."""
     adapter.busy = True
+    # Groups still generating on versions this step makes too old could only be dropped as
+    # stale: stop them now, so the engine (and, on shared cores, the learner) gets the time.
+    if hasattr(run.generator, "abort_older"):
+        run.generator.abort_older(adapter.name, run.learner.version(adapter.name) + 1
+                                  - run.config.buffer.max_staleness, ROLLOUT_TAG)
     stats: StepStats = await run.in_learner(run.learner.train_step, adapter.name, _samples(groups))
     version = await run.in_learner(run.learner.adapter_version, adapter.name) if stats.updated else None
     adapter.busy = False
@@ -392,8 +400,11 @@ async def make_group(run: Run, adapter: AdapterRun, index: int) -> Group | None:
     problem = adapter.task.train_problem(index)
     prompt_ids = render_prompt(run.tokenizer, problem.prompt, adapter.task.system_prompt)
     request = GenRequest(prompt_ids, adapter.name, n=spec.samples_per_prompt, max_tokens=spec.max_new_tokens,
-                         temperature=spec.temperature, top_p=spec.top_p)
+                         temperature=spec.temperature, top_p=spec.top_p, tag=ROLLOUT_TAG)
     result = await run.generate(request)
+    if not result.ok and (result.error or "").startswith(ABORTED_STALE):
+        adapter.counters.aborted_stale += 1
+        return None
     if not result.ok:
         adapter.counters.groups_failed += 1
         if result.error and "engine failed" in result.error:
@@ -640,6 +651,7 @@ async def finish_run(run: Run) -> dict[str, Any]:
         summary[f"{prefix}tokens_generated"] = adapter.counters.tokens_generated
         summary[f"{prefix}skipped_nonfinite"] = adapter.counters.skipped_nonfinite
         summary[f"{prefix}rejected_versions"] = adapter.counters.rejected_versions
+        summary[f"{prefix}aborted_stale_groups"] = adapter.counters.aborted_stale
         summary[f"{prefix}reward_errors"] = adapter.task.stats.errors
         for row in (r for r in run.evals if r["adapter"] == name):
             summary[f"{prefix}accuracy_{row['when']}"] = row["accuracy"]
@@ -719,5 +731,6 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         "logprob_mismatch_onpolicy": ls.onpolicy_mismatch,
         "skipped_nonfinite": adapter.counters.skipped_nonfinite,
         "rejected_versions": adapter.counters.rejected_versions,
+        "aborted_stale_groups": adapter.counters.aborted_stale,
         "reward_errors": adapter.task.stats.errors,
     }

@@ -43,7 +43,7 @@ groups_in_flight = 8
 max_model_len = 256
 [learner]
 groups_per_step = 3
-lr = 1e-2
+lr = 2e-2
 [run]
 max_steps = {max_steps}
 output_dir = "{tmp_path / out}"

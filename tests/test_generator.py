@@ -194,6 +194,35 @@ def test_in_flight_request_finishes_on_its_version(engine, tiny_model):
     assert f"a@v{k}" not in stats.retired  # it was still in flight then
 
 
+def test_stale_rollouts_are_cut_short_and_other_requests_are_not(engine, tiny_model):
+    """Rollouts on versions a step makes too old stop at once; evals on the same version go on."""
+    from lora_async.generator.vllm_engine import ABORTED_STALE
+
+    k = next_version(engine, "c")
+    engine.publish(random_adapter(tiny_model, "c", k, seed=51))
+    rollout, evaluation = [], []
+    long = dict(max_tokens=200, min_tokens=200, **GREEDY)
+    engine.submit(GenRequest(PROMPTS[0], "c", tag="rollout", **long), rollout.append)
+    engine.submit(GenRequest(PROMPTS[1], "c", tag="eval", max_tokens=24, min_tokens=24, **GREEDY),
+                  evaluation.append)
+    time.sleep(0.1)
+    engine.publish(random_adapter(tiny_model, "c", k + 1, seed=52))
+    engine.abort_older("c", k + 1, "rollout")
+    deadline = time.time() + 60
+    while not (rollout and evaluation) and time.time() < deadline:
+        time.sleep(0.02)
+    assert rollout[0].error.startswith(ABORTED_STALE) and not rollout[0].samples
+    assert evaluation[0].ok and evaluation[0].version == k and len(evaluation[0].samples[0].token_ids) == 24
+    # a rollout on the new version is not touched
+    fresh = []
+    engine.submit(GenRequest(PROMPTS[2], "c", tag="rollout", max_tokens=8, **GREEDY), fresh.append)
+    engine.abort_older("c", k + 1, "rollout")
+    deadline = time.time() + 60
+    while not fresh and time.time() < deadline:
+        time.sleep(0.02)
+    assert fresh[0].ok and fresh[0].version == k + 1
+
+
 def test_publish_retire_cycles_stay_bounded(engine, tiny_model):
     """(e) 50 publish/retire cycles: registered adapters stay within bounds, memory flat."""
     proc = psutil.Process(os.getpid())

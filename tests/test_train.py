@@ -117,25 +117,22 @@ def test_tiny_model_learns_a_trivial_reward(in_tmp, tiny_model):
 
 
 def test_a_dead_engine_stops_the_run_with_a_clear_error_and_a_checkpoint(in_tmp, tiny_model):
+    import os
+    import signal
+
     from lora_async.loop import TrainingError, train
 
-    config = load_config(make_config(in_tmp, tiny_model, "dead", run={"max_steps": 50, "canary_every": 0}))
+    # The engine in its own process, killed with SIGKILL mid-run (as the OOM killer would).
+    config = load_config(make_config(in_tmp, tiny_model, "dead", run={"max_steps": 50, "canary_every": 0},
+                                     generator={"engine_process": "separate"}))
 
     def kill_engine(run):
         if run.global_step != 2:
             return
-
-        def crash(engine):
-            # The CPU engine dies on prompt logprobs with a LoRA adapter (an einsum shape error
-            # in its punica path): a real engine failure, not a mock.
-            from vllm import SamplingParams
-            from vllm.lora.request import LoRARequest
-
-            live = run.generator.registry.all_live()[-1]
-            engine.add_request("crash", {"prompt_token_ids": PROMPTS[0]},
-                               SamplingParams(max_tokens=2, prompt_logprobs=1),
-                               lora_request=LoRARequest(live.vllm_name, live.int_id, "lora-async://x"))
-        run.generator.run_in_engine(crash)
+        pids = run.generator.run_in_engine(lambda engine: engine.collective_rpc("lora_async_pid"))
+        assert pids and all(pid != os.getpid() for pid in pids)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
 
     with pytest.raises(TrainingError, match="engine"):
         asyncio.run(train(config, on_step=kill_engine))

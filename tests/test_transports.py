@@ -353,3 +353,24 @@ def test_training_through_shm_into_a_separate_engine_survives_a_corrupted_versio
     assert summary["rejected_versions"] == 1 and summary["steps"] == 5
     onpolicy = [r["logprob_mismatch_onpolicy"] for r in rows if r["logprob_mismatch_onpolicy"] is not None]
     assert onpolicy and all(m < 0.1 for m in onpolicy)  # what crossed intact is what was trained
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="cuda-ipc and nccl need a CUDA GPU")
+@pytest.mark.parametrize("kind", ["cuda-ipc", "nccl"])
+def test_gpu_transport_half_is_bit_exact(kind):
+    """Sender and receiver processes on one GPU host (torch only): every tensor arrives intact."""
+    import sys
+
+    from .conftest import REPO
+
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_transport_check.py"), "--only", kind],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["transport"] == kind and row["all_bit_exact"]

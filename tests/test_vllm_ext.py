@@ -100,3 +100,22 @@ def test_fast_ops_are_installed_into_vllms_cpu_wrapper():
     assert vllm_ext.install_fast_cpu_lora_ops()
     assert punica_cpu.bgmv_shrink is vllm_ext.bgmv_shrink
     assert punica_cpu.sgmv_expand_slice is vllm_ext.sgmv_expand_slice
+
+
+class _ClientWithoutQueues:
+    def __init__(self):
+        self.resources = None
+
+
+class _ClientBase:
+    def __init__(self):
+        pass
+
+
+def test_compat_check_detects_an_engine_client_that_changed():
+    from lora_async.generator.vllm_ext import engine_client_problems
+    from vllm.v1.engine.core_client import MPClient, SyncMPClient
+
+    assert engine_client_problems(SyncMPClient, MPClient) == []
+    problems = engine_client_problems(_ClientWithoutQueues, _ClientBase)
+    assert any("outputs_queue" in p for p in problems) and any("engine_dead" in p for p in problems)

@@ -680,6 +680,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds a TRL vLLM mode gets to generate its first batch before the next mode is tried")
     p.add_argument("--results", type=Path, default=None, help="also write the summary JSON here")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the entries of runs not in --runs from OUT/peers.json (e.g. re-run only lora-async)")
     args = p.parse_args(argv)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = set(runs) - set(RUNS)
@@ -693,6 +695,13 @@ def main(argv: list[str] | None = None) -> int:
                               "target_accuracy": TARGET_ACCURACY, "versions": package_versions(),
                               "machine": machine(), "runs": {}}
     failures: list[str] = []
+    previous_file = out / "peers.json"
+    if args.reuse and previous_file.is_file():
+        previous = json.loads(previous_file.read_text())["runs"]
+        for name in RUNS:
+            entry = previous.get(RUN_DIRS[name])
+            if name not in runs and entry and "error" not in entry:
+                report["runs"][RUN_DIRS[name]] = {**entry, "reused_from_earlier_invocation": True}
     for name in runs:
         run_dir = out / RUN_DIRS[name]
         began = time.perf_counter()
@@ -736,7 +745,8 @@ def main(argv: list[str] | None = None) -> int:
         "lora-async skips groups whose samples all scored the same (pulling up to 4x groups_per_step to "
         "find groups_per_step informative ones); TRL trains on every prompt of its batch.",
     ]
-    plotted = [out / RUN_DIRS[n] for n in runs if "error" not in report["runs"][RUN_DIRS[n]]]
+    plotted = [out / RUN_DIRS[n] for n in RUNS
+               if RUN_DIRS[n] in report["runs"] and "error" not in report["runs"][RUN_DIRS[n]]]
     if plotted and not args.no_plot:
         chart = out / "peers.png"
         lora_async_bin = REPO / ".venv/bin/lora-async"

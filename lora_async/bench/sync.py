@@ -95,7 +95,7 @@ def _fresh_prompts() -> Callable[[], list[int]]:
     return fresh
 
 
-def _measure(gen: Any, label: str, rank: int | None, publish: Callable[[int], Any], adapter_name: str | None,
+def _measure(gen: Any, label: str, rank: int | None, publish: Callable[[Any], Any], adapter_name: str | None,
              versions: int, fresh: Callable[[], list[int]]) -> dict[str, Any]:
     from .common import blocking_generate
 
@@ -105,12 +105,14 @@ def _measure(gen: Any, label: str, rank: int | None, publish: Callable[[int], An
         assert result.ok, result.error
         return time.perf_counter() - started
 
-    publish(0)  # warm this path up
+    prepare = getattr(publish, "prepare", lambda v: v)  # what exists before "tensors ready"
+    publish(prepare(0))  # warm this path up
     probe()
     swaps, publishes, size = [], [], 0
     for v in range(1, versions + 1):
+        payload = prepare(v)  # the learner's new tensors: made before the clock starts
         started = time.perf_counter()
-        stats = publish(v)
+        stats = publish(payload)
         registered = time.perf_counter()
         probe()
         elapsed = time.perf_counter() - started
@@ -121,6 +123,14 @@ def _measure(gen: Any, label: str, rank: int | None, publish: Callable[[int], An
     return {"transport": label, "rank": rank, "measured": True, "versions": versions, "bytes": size,
             "p50_ms": statistics.median(swaps), "max_ms": max(swaps),
             "publish_p50_ms": statistics.median(publishes)}
+
+
+def _prepared(publish: Callable[[AdapterVersion], Any], make: Callable[[int], AdapterVersion]) -> Any:
+    """`publish` with `make` attached as the untimed preparation of version v."""
+    def timed(version: AdapterVersion) -> Any:
+        return publish(version)
+    timed.prepare = make  # type: ignore[attr-defined]
+    return timed
 
 
 def _versions_of(adapter: AdapterVersion, name: str) -> Callable[[int], AdapterVersion]:
@@ -153,10 +163,10 @@ def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: lis
                 if transport.startswith("peft-dir"):
                     root = Path(tempfile.mkdtemp(dir="/dev/shm" if transport.endswith("devshm") else Path.cwd()))
 
-                    def publish(v: int, root: Path = root, name: str = name, make: Any = make) -> Any:
-                        version = make(v)
-                        path = save_peft_dir(root / f"v{v}", version.tensors, version.peft_config)
-                        return gen.publish_dir(name, v, path)
+                    def publish(version: AdapterVersion, root: Path = root, name: str = name) -> Any:
+                        path = save_peft_dir(root / f"v{version.version}", version.tensors, version.peft_config)
+                        return gen.publish_dir(name, version.version, path)
+                    publish.prepare = make  # type: ignore[attr-defined]
                     try:
                         rows.append(_measure(gen, transport, rank, publish, name, versions, fresh))
                     finally:
@@ -165,8 +175,8 @@ def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: lis
                 sender = {"inproc": lambda: InprocTransport(gen), "shm": lambda: ShmTransport(gen),
                           "gloo": lambda: CollectiveTransport(gen, backend="gloo")}[transport]()
                 try:
-                    rows.append(_measure(gen, transport, rank, lambda v, s=sender, m=make: s.publish(m(v)),
-                                         name, versions, fresh))
+                    rows.append(_measure(gen, transport, rank, _prepared(sender.publish, make), name, versions,
+                                         fresh))
                 finally:
                     sender.close()
     return rows
@@ -212,8 +222,8 @@ def _with_server(model_dir: Path, max_rank: int, adapters: dict[int, AdapterVers
                 fresh = _fresh_prompts()
                 for rank, adapter in adapters.items():
                     make = _versions_of(adapter, f"http-r{rank}")
-                    rows.append(_measure(gen, "http", rank, lambda v, m=make: transport.publish(m(v)),
-                                         f"http-r{rank}", versions, fresh))
+                    rows.append(_measure(gen, "http", rank, _prepared(transport.publish, make), f"http-r{rank}",
+                                         versions, fresh))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -223,17 +233,20 @@ def _with_server(model_dir: Path, max_rank: int, adapters: dict[int, AdapterVers
     return rows
 
 
-def _full_reload(gen: Any, model_dir: Path) -> Callable[[int], int]:
+def _full_reload(gen: Any, model_dir: Path) -> Callable[[dict], int]:
     from safetensors.torch import load_file
 
     state = {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     size = sum(t.numel() * t.element_size() for t in state.values())
 
-    def publish(v: int) -> int:
-        tensors = {k: t.clone() for k, t in state.items()}  # what a learner would hand over
+    def prepare(v: int) -> dict:
+        return {k: t.clone() for k, t in state.items()}  # what a learner would hand over
+
+    def publish(tensors: dict) -> int:
         if gen.spec.separate_process:
             raise RuntimeError("the full-weight row runs on the in-process engine")
         gen.run_in_engine(lambda eng: eng.collective_rpc("lora_async_load_base_weights", args=(tensors,)))
         return size
 
+    publish.prepare = prepare  # type: ignore[attr-defined]
     return publish

@@ -137,6 +137,21 @@ def bench_sync(
     Console().print(table)
 
 
+@bench_app.command("gen")
+def bench_gen(
+    prompts: int = typer.Option(64, "--prompts", help="Concurrent prompts per round."),
+    tokens: int = typer.Option(64, "--tokens", help="Sampled tokens per prompt."),
+    reps: int = typer.Option(3, "--reps", help="Rounds per configuration (median reported)."),
+    model: str = typer.Option("smollm2-135m", "--model", help="Model name or directory."),
+    cpus: str = typer.Option("all", "--cpus", help="Engine cores ('0', '0-1', 'all')."),
+) -> None:
+    """Generation tokens/s: base model, LoRA with vLLM's CPU ops, LoRA with the grouped ops."""
+    from ..bench.gen import run_gen_bench
+
+    print(json.dumps({"results": run_gen_bench(model, prompts, tokens, reps, None if cpus == "all" else cpus)},
+                     indent=2))
+
+
 @bench_app.command("e2e")
 def bench_e2e(
     config: Path = typer.Argument(Path("examples/arithmetic.toml"), help=CONFIG_HELP),

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 EXTENSION = "lora_async.generator.vllm_ext.LoraAsyncWorkerExtension"
 IDLE_WAIT_S = 0.05  # how long the idle engine thread blocks on its queue before re-checking
 STARTUP_TIMEOUT_S = 900.0  # engine start on a slow CPU with a larger model
+ABORTED_STALE = "aborted: stale"  # a request cut short because its samples could not be trained
 
 
 class GeneratorDead(RuntimeError):
@@ -89,6 +90,7 @@ class VllmGenerator:
         self._dead: BaseException | None = None
         self._stopping = False
         self._ready: Future = Future()
+        self._watch_stop = threading.Event()  # ends the dead-engine watch (separate process)
         self.stats = {"requests": 0, "aborted": 0, "tokens": 0, "busy_s": 0.0, "rejected_versions": 0}
         self._started_at = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="lora-async-generator", daemon=True)
@@ -166,6 +168,13 @@ class VllmGenerator:
             raise AdapterError(f"{path} is not a PEFT adapter directory")
         now = time.perf_counter()
         return self._call("publish_dir", adapter, version, str(path), now, now)
+
+    def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
+        """Abort requests tagged `tag` of `adapter` on versions below `min_version` (rollouts
+        whose samples could only be dropped as stale): the engine's time goes to samples that
+        can be trained. Does not wait; they complete with an error starting `ABORTED_STALE`."""
+        if self._dead is None and self._thread.is_alive():
+            self._commands.put(("fn", lambda: self._abort_older(adapter, min_version, tag), Future()))
 
     def live_versions(self, adapter: str) -> list[int]:
         return self._call("fn", lambda: self.registry.versions(adapter))
@@ -265,12 +274,17 @@ class VllmGenerator:
             disable_log_stats=True,
         )
         engine = LLMEngine.from_engine_args(args, enable_multiprocessing=self.spec.separate_process)
-        if on_cpu and self.spec.fast_cpu_lora and self.spec.separate_process:
-            engine.collective_rpc("lora_async_install_fast_ops")
+        if self.spec.separate_process:
+            from .vllm_ext import watch_engine_core
+
+            watch_engine_core(engine, self._watch_stop)
+            if on_cpu and self.spec.fast_cpu_lora:
+                engine.collective_rpc("lora_async_install_fast_ops")
         self._tokenizer = engine.get_tokenizer()
         return engine
 
     def _shutdown_engine(self) -> None:
+        self._watch_stop.set()
         engine = getattr(self, "_engine", None)
         if engine is None:
             return
@@ -301,6 +315,8 @@ class VllmGenerator:
                 try:
                     future.set_result(self._run_command(command))
                 except BaseException as exc:
+                    if type(exc).__name__ == "EngineDeadError":  # its process is gone
+                        exc = GeneratorDead(f"the vLLM engine died: {exc}")
                     future.set_exception(exc)
 
     def _reject(self, command: tuple) -> None:
@@ -400,6 +416,15 @@ class VllmGenerator:
         self._engine.collective_rpc("lora_async_remove", args=(live.int_id,))
         self.registry.remove(live)
         return live.vllm_name
+
+    def _abort_older(self, adapter: str, min_version: int, tag: object) -> int:
+        doomed = [rid for rid, p in self._pending.items() if p.request.tag == tag and p.live is not None
+                  and p.live.adapter == adapter and p.live.version < min_version]
+        if doomed:
+            self._engine.abort_request(doomed)
+        for rid in doomed:
+            self._finish_aborted(rid, f"{ABORTED_STALE} (below v{min_version})")
+        return len(doomed)
 
     def _evict(self, live: LiveVersion | None) -> None:
         """The engine is full: abort what still runs on the oldest out-of-window version."""

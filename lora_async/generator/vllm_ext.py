@@ -46,7 +46,10 @@ def check_vllm_compat() -> str:
     from vllm.lora.request import LoRARequest
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
 
+    from vllm.v1.engine.core_client import MPClient, SyncMPClient
+
     problems = compat_problems(LoRARequest, LoRAModel, LRUCacheWorkerLoRAManager, PEFTHelper)
+    problems += engine_client_problems(SyncMPClient, MPClient)
     if problems:
         raise VllmCompatError(
             f"vLLM {vllm.__version__} changed internals that lora-async's tensor hand-off uses "
@@ -92,6 +95,17 @@ def compat_problems(request_cls: Any, model_cls: Any, manager_cls: Any, helper_c
     return problems
 
 
+def engine_client_problems(sync_client_cls: Any, mp_client_cls: Any) -> list[str]:
+    """What `watch_engine_core` relies on in vLLM's multiprocess engine client."""
+    source = "".join(inspect.getsource(vars(k)["__init__"]) for k in (sync_client_cls, mp_client_cls)
+                     if inspect.isfunction(vars(k).get("__init__")))
+    problems = [f"SyncMPClient/MPClient no longer set self.{attr}"
+                for attr in ("outputs_queue", "utility_results", "resources") if f"self.{attr}" not in source]
+    if "engine_dead" not in inspect.getsource(mp_client_cls):
+        problems.append("MPClient no longer tracks resources.engine_dead")
+    return problems
+
+
 def _build_lora_model(manager: Any, int_id: int, tensors: dict, peft_config: dict) -> Any:
     """What `WorkerLoRAManager._load_adapter` does after reading files, from tensors."""
     from vllm.lora.lora_model import LoRAModel
@@ -115,6 +129,40 @@ def _build_lora_model(manager: Any, int_id: int, tensors: dict, peft_config: dic
         weights_mapper=mapper,
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
+
+
+def watch_engine_core(engine: Any, stopped: Any, poll_s: float = 0.5) -> Any:
+    """Unblock the caller when vLLM's engine-core process dies (multiprocess mode).
+
+    Why: vLLM 0.32's `SyncMPClient` notices a dead engine core (its monitor thread sets
+    `resources.engine_dead`) but leaves `get_output()` blocked on its queue and utility calls
+    (`collective_rpc`) waiting on their futures forever. This thread waits for that flag, then
+    puts an `EngineDeadError` on the output queue and fails the pending utility futures, so
+    `engine.step()` / `collective_rpc` raise and the generator can report a dead engine.
+    Returns the started thread; it ends when `stopped` (a threading.Event) is set.
+    """
+    import threading
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    core = engine.engine_core
+    missing = [a for a in ("resources", "outputs_queue", "utility_results") if not hasattr(core, a)]
+    if missing or not hasattr(core.resources, "engine_dead"):
+        raise VllmCompatError(f"vLLM's {type(core).__name__} no longer has {missing or ['resources.engine_dead']}: "
+                              "lora-async cannot notice a dead engine process")
+
+    def watch() -> None:
+        while not stopped.wait(poll_s):
+            if core.resources.engine_dead:
+                core.outputs_queue.put_nowait(EngineDeadError())
+                for future in list(core.utility_results.values()):
+                    if not future.done():
+                        future.set_exception(EngineDeadError())
+                return
+
+    thread = threading.Thread(target=watch, name="lora-async-engine-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 class LoraAsyncWorkerExtension:
