@@ -5,7 +5,7 @@ it to a receiver process on the same host by (a) a CUDA IPC handle and (b) an NC
 over a dedicated process group, both through the same code the vLLM worker extension calls
 (`lora_async.sync.receive`). The receiver checks every tensor bit for bit and reports timings.
 
-    python bench/gpu_transport_check.py            # prints one JSON line per transport
+    python bench/gpu_transport_check.py [--only cuda-ipc|nccl]   # one JSON line per transport
 """
 
 from __future__ import annotations
@@ -100,5 +100,6 @@ def run(kind: str) -> dict:
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    for kind in ("cuda-ipc", "nccl"):
+    kinds = sys.argv[sys.argv.index("--only") + 1:][:1] if "--only" in sys.argv else ["cuda-ipc", "nccl"]
+    for kind in kinds:
         print(json.dumps(run(kind)), flush=True)

@@ -7,6 +7,7 @@ passed on to it and waited for, so shutdown is clean.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from rich.console import Console
 
@@ -87,6 +89,53 @@ def training_server_command(model_dir: Path, host: str, port: int, max_lora_rank
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     return cmd, env
+
+
+@contextlib.contextmanager
+def training_server(model_dir: Path, max_lora_rank: int, max_loras: int = 4, max_model_len: int = 1024,
+                    kv_cache_gb: float = 1.0, cpus: str | None = None, log: Path | None = None,
+                    startup_timeout_s: float = 600.0) -> Iterator[str]:
+    """A `training_server_command` server on a free loopback port; yields its base URL once it
+    answers, and stops it (SIGTERM, then SIGKILL) on exit. For tests and benchmarks."""
+    import socket
+    import time
+
+    import requests
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd, env = training_server_command(model_dir, "127.0.0.1", port, max_lora_rank, max_loras, max_model_len,
+                                       kv_cache_gb)
+    if cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    sink = open(log, "w") if log is not None else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                tail = log.read_text()[-2000:] if log is not None else ""
+                raise RuntimeError(f"vllm serve exited with {proc.returncode} {tail}")
+            try:
+                if requests.get(url + "/v1/models", timeout=2).ok:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not answer within {startup_timeout_s:.0f} s")
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=SHUTDOWN_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if log is not None:
+            sink.close()  # type: ignore[union-attr]
 
 
 def serve_for_training(model: str, host: str, port: int, max_lora_rank: int, max_loras: int,

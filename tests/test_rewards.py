@@ -1,6 +1,5 @@
 """Reward functions: builtins, and user functions that raise or hang."""
 
-import sys
 import time
 
 import pytest

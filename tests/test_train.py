@@ -18,8 +18,6 @@ import torch
 from lora_async.config import load_config
 from lora_async.metrics import STEP_KEYS, read_metrics
 
-from .helpers import PROMPTS
-
 pytestmark = pytest.mark.slow
 
 REWARDS = '''

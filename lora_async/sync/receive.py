@@ -60,7 +60,6 @@ def receive_ipc(handle: bytes, meta: dict, device: str = "cpu") -> dict[str, tor
     """Copy a packed adapter out of another process's CUDA buffer (a `reduce_tensor` handle).
 
     The sender keeps its buffer alive until this returns."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor  # noqa: F401  (pickle target)
 
     rebuild, args = pickle.loads(handle)
     source = rebuild(*args)
