@@ -270,7 +270,8 @@ class LoraAsyncWorkerExtension:
 # weight for *every token* (`weights[indices]`, then a batched einsum). A batch rarely holds
 # more than a few adapters, so we group tokens by adapter slot and run one matmul per slot.
 # Same arithmetic, same dtypes, same semantics for every index (negative ones included);
-# measured 2.4x faster generation with an r=8 adapter on the 135M model (bench/RESULTS.md).
+# measured 1.5x faster generation with an r=8 adapter on the 135M model, 64 prompts x 64 tokens on
+# 2 cores (`lora-async bench gen`, bench/RESULTS.md).
 # `tests/test_vllm_ext.py` checks these against vLLM's own functions on random inputs.
 
 _PATCHED_OPS = (
