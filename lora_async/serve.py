@@ -128,12 +128,7 @@ def training_server(model_dir: Path, max_lora_rank: int, max_loras: int = 4, max
             time.sleep(1)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=SHUTDOWN_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
         if log is not None:
             sink.close()  # type: ignore[union-attr]
 
@@ -192,15 +187,21 @@ def run_child(cmd: list[str], env: dict[str, str]) -> int:
             except KeyboardInterrupt:
                 forward(signal.SIGINT, None)
     finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGTERM)
-            try:
-                child.wait(timeout=SHUTDOWN_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+        stop_server(child)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, give it SHUTDOWN_GRACE_S, then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=SHUTDOWN_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _exit_code(code: int) -> int:
