@@ -276,6 +276,13 @@ class GenerationOverrides(_Section):
     samples_per_prompt: int | None = Field(None, ge=2, le=256, description="Completions per prompt.")
 
 
+def _arithmetic_by_default(cls: type, data: Any) -> Any:
+    """`type` may be left out of a [task] table: it then means the builtin arithmetic task."""
+    if isinstance(data, dict) and isinstance(data.get("task"), dict):
+        data["task"].setdefault("type", "arithmetic")
+    return data
+
+
 class FleetAdapter(AdapterConfig):
     """One adapter of a fleet: its own task, reward, LoRA shape, learning rate and share."""
 
@@ -285,12 +292,7 @@ class FleetAdapter(AdapterConfig):
     weight: float = Field(1.0, gt=0.0, le=1000.0, description="Share of generation capacity.")
     generation: GenerationOverrides = Field(default_factory=GenerationOverrides)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_task_type(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("task"), dict):
-            data["task"].setdefault("type", "arithmetic")
-        return data
+    _default_task_type = model_validator(mode="before")(classmethod(_arithmetic_by_default))
 
 
 @dataclass(frozen=True)
@@ -323,13 +325,7 @@ class TrainConfig(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     task: TaskConfig = Field(default_factory=ArithmeticTask)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_task_type(cls, data: Any) -> Any:
-        # `type` may be left out of [task]: it then means the builtin arithmetic task.
-        if isinstance(data, dict) and isinstance(data.get("task"), dict):
-            data["task"].setdefault("type", "arithmetic")
-        return data
+    _default_task_type = model_validator(mode="before")(classmethod(_arithmetic_by_default))
 
     @model_validator(mode="after")
     def _cross_field(self) -> "TrainConfig":

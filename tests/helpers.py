@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from lora_async.bench.common import blocking_generate
 from lora_async.generator.types import AdapterVersion, GenRequest, GenResult
 
 
@@ -29,16 +30,7 @@ def random_adapter(model_dir: Path, adapter: str, version: int, seed: int, scale
 
 
 def generate(generator, request: GenRequest, timeout: float = 120.0) -> GenResult:
-    done = threading.Event()
-    box: list[GenResult] = []
-
-    def on_done(result: GenResult) -> None:
-        box.append(result)
-        done.set()
-
-    generator.submit(request, on_done)
-    assert done.wait(timeout), "generation timed out"
-    return box[0]
+    return blocking_generate(generator, request, timeout)
 
 
 def submit_many(generator, requests: list[GenRequest], timeout: float = 120.0) -> list[GenResult]:

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 from ..sync.http import ServerError, ServerSync
 from .registry import VersionRegistry
-from .types import AdapterVersion, GenRequest, GenResult, PublishStats, Sample
-from .validate import BaseShapes, adapter_signature, check_finite_all, validate_adapter
+from .types import AdapterVersion, GenRequest, GenResult, GeneratorClock, PublishStats, Sample
+from .validate import BaseShapes, StructureCheck, check_finite_all
 
 log = logging.getLogger(__name__)
 
@@ -30,26 +30,23 @@ MAX_CONCURRENT_REQUESTS = 64  # HTTP requests in flight across all replicas
 REGISTRY_CAPACITY = 1 << 20  # the servers size their own LoRA caches and reload from the directory
 
 
-class ServerGenerator:
+class ServerGenerator(GeneratorClock):
     def __init__(self, sync: ServerSync, model_dir: Path, max_staleness: int, max_lora_rank: int,
                  request_timeout_s: float = 600.0) -> None:
         from transformers import AutoTokenizer
 
         self.sync = sync
-        self.max_lora_rank = max_lora_rank
         self.request_timeout_s = request_timeout_s
         self.registry = VersionRegistry(max_staleness, REGISTRY_CAPACITY)
-        self.shapes = BaseShapes.from_model_dir(model_dir)
+        self.check_structure = StructureCheck(BaseShapes.from_model_dir(model_dir), max_lora_rank)
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self._validated: set[tuple] = set()
         self._lock = threading.RLock()
         self._replicas = itertools.cycle(sync.urls)
         self._pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, "lora-async-http")
         self._closed = False
         self._in_flight = 0
         self._busy_since = 0.0
-        self._started_at = time.perf_counter()
-        self.stats = {"requests": 0, "aborted": 0, "tokens": 0, "busy_s": 0.0, "rejected_versions": 0}
+        self._start_clock()
         self.base_model = self._check_servers()
 
     def _check_servers(self) -> str:
@@ -135,10 +132,7 @@ class ServerGenerator:
         started = time.perf_counter()
         name = f"{version.adapter}@v{version.version}"
         try:
-            signature = adapter_signature(version)
-            if signature not in self._validated:
-                validate_adapter(version, self.shapes, self.max_lora_rank, check_values=False)
-                self._validated.add(signature)
+            self.check_structure(version)
             check_finite_all(name, list(version.tensors.values()))
             with self._lock:
                 self.registry.check_new(version.adapter, version.version)
@@ -171,10 +165,6 @@ class ServerGenerator:
         """What every replica lists as loaded adapters (ground truth, for checks)."""
         return [sorted(m["id"] for m in self.sync.get(url, "/v1/models")["data"] if m.get("parent"))
                 for url in self.sync.urls]
-
-    def busy_fraction(self) -> float:
-        elapsed = time.perf_counter() - self._started_at
-        return self.stats["busy_s"] / elapsed if elapsed > 0 else 0.0
 
     @property
     def tokenizer(self) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -72,6 +73,18 @@ class PublishStats:
     @property
     def total_ms(self) -> float:
         return self.ms + self.wait_ms
+
+
+class GeneratorClock:
+    """What every generator backend counts, and the busy share derived from it."""
+
+    def _start_clock(self) -> None:
+        self._started_at = time.perf_counter()
+        self.stats = {"requests": 0, "aborted": 0, "tokens": 0, "busy_s": 0.0, "rejected_versions": 0}
+
+    def busy_fraction(self) -> float:
+        elapsed = time.perf_counter() - self._started_at
+        return self.stats["busy_s"] / elapsed if elapsed > 0 else 0.0
 
 
 class Generator(Protocol):

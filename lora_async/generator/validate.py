@@ -62,6 +62,22 @@ def adapter_signature(version: AdapterVersion) -> tuple:
             repr(sorted(version.peft_config.items())))
 
 
+class StructureCheck:
+    """`validate_adapter`'s structural checks, run once per adapter structure (names, shapes,
+    dtypes, peft config): successive versions of an adapter share one, so a publish pays only
+    for the value check."""
+
+    def __init__(self, shapes: BaseShapes, max_rank: int) -> None:
+        self.shapes, self.max_rank = shapes, max_rank
+        self._seen: set[tuple] = set()
+
+    def __call__(self, version: AdapterVersion) -> None:
+        signature = adapter_signature(version)
+        if signature not in self._seen:
+            validate_adapter(version, self.shapes, self.max_rank, check_values=False)
+            self._seen.add(signature)
+
+
 def check_finite(name: str, tensor: torch.Tensor) -> None:
     """One reduction over all values: amax propagates NaN and Inf (10x faster than isfinite)."""
     if tensor.numel() and not bool(torch.isfinite(tensor.abs().amax())):

@@ -23,9 +23,8 @@ from typing import Any, Callable
 from ..placement import Placement, pin_current_thread
 from ..sync.pack import PackedAdapter, pack, unpack_views
 from .registry import LiveVersion, VersionRegistry
-from .types import AdapterVersion, GenRequest, GenResult, PublishStats, Sample
-from .validate import (AdapterError, BaseShapes, adapter_signature, check_finite, check_finite_all,
-                       validate_adapter)
+from .types import AdapterVersion, GenRequest, GenResult, GeneratorClock, PublishStats, Sample
+from .validate import AdapterError, BaseShapes, StructureCheck, check_finite, check_finite_all
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +74,14 @@ class EngineSpec:
         return self.max_loras + len(self.adapters)
 
 
-class VllmGenerator:
+class VllmGenerator(GeneratorClock):
     """An in-process vLLM engine on its own thread (implements `types.Generator`)."""
 
     def __init__(self, spec: EngineSpec, placement: Placement) -> None:
         self.spec = spec
         self.placement = placement
         self.registry = VersionRegistry(spec.max_staleness, spec.max_cpu_loras)
-        self.shapes = BaseShapes.from_model_dir(spec.model_dir)
-        self._validated: set[tuple] = set()  # adapter structures (names, shapes) already checked
+        self.check_structure = StructureCheck(BaseShapes.from_model_dir(spec.model_dir), spec.max_lora_rank)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
@@ -91,8 +89,7 @@ class VllmGenerator:
         self._stopping = False
         self._ready: Future = Future()
         self._watch_stop = threading.Event()  # ends the dead-engine watch (separate process)
-        self.stats = {"requests": 0, "aborted": 0, "tokens": 0, "busy_s": 0.0, "rejected_versions": 0}
-        self._started_at = time.perf_counter()
+        self._start_clock()
         self._thread = threading.Thread(target=self._run, name="lora-async-generator", daemon=True)
         self._thread.start()
         self._ready.result(timeout=STARTUP_TIMEOUT_S)
@@ -117,10 +114,7 @@ class VllmGenerator:
         serving = _torch_dtype(self.spec.dtype)
         name = f"{version.adapter}@v{version.version}"
         try:
-            signature = adapter_signature(version)
-            if signature not in self._validated:  # structure: checked once per names and shapes
-                validate_adapter(version, self.shapes, self.spec.max_lora_rank, check_values=False)
-                self._validated.add(signature)
+            self.check_structure(version)
             self.registry.check_new(version.adapter, version.version)
             if all(t.dtype != serving for t in version.tensors.values()):
                 check_finite_all(name, list(version.tensors.values()))
@@ -133,20 +127,11 @@ class VllmGenerator:
             raise
         return self._call("publish", payload, started, time.perf_counter())
 
-    def publish_packed(self, packed: PackedAdapter, started: float | None = None) -> PublishStats:
-        """Register an already packed version (used by transports that unpacked it themselves)."""
-        self._check_alive()
-        now = time.perf_counter()
-        return self._call("publish", packed, started or now, now)
-
     def validate(self, version: AdapterVersion) -> None:
         """The structural and value checks `publish` runs, for transports that pack themselves."""
         name = f"{version.adapter}@v{version.version}"
         try:
-            signature = adapter_signature(version)
-            if signature not in self._validated:
-                validate_adapter(version, self.shapes, self.spec.max_lora_rank, check_values=False)
-                self._validated.add(signature)
+            self.check_structure(version)
             self.registry.check_new(version.adapter, version.version)
             check_finite_all(name, list(version.tensors.values()))
         except Exception:
@@ -195,10 +180,6 @@ class VllmGenerator:
     def run_in_engine(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps (benchmarks, diagnostics)."""
         return self._call("fn", lambda: fn(self._engine))
-
-    def busy_fraction(self) -> float:
-        elapsed = time.perf_counter() - self._started_at
-        return self.stats["busy_s"] / elapsed if elapsed > 0 else 0.0
 
     @property
     def tokenizer(self) -> Any:

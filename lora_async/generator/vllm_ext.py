@@ -198,12 +198,6 @@ class LoraAsyncWorkerExtension:
         cache.add_adapter(lora)
         return len(cache)
 
-    def lora_async_add_packed(self, int_id: int, packed: Any, peft_config: dict) -> int:
-        """Register from a packed adapter (`sync.pack.PackedAdapter`): one owned copy."""
-        from lora_async.sync.pack import unpack_owned
-
-        return self.lora_async_add_tensors(int_id, unpack_owned(packed), peft_config)
-
     def lora_async_install_fast_ops(self) -> bool:
         """Install the grouped CPU LoRA ops in this (worker) process."""
         return install_fast_cpu_lora_ops()
@@ -256,12 +250,6 @@ class LoraAsyncWorkerExtension:
         if receiver is None:
             raise RuntimeError("this worker has not joined a lora-async process group")
         return self.lora_async_add_tensors(int_id, receiver.receive(meta), meta["peft_config"])
-
-    def lora_async_add_bytes(self, int_id: int, payload: bytes, peft_config: dict) -> int:
-        """Register from `safetensors.torch.save` bytes (crosses a process boundary intact)."""
-        from safetensors.torch import load
-
-        return self.lora_async_add_tensors(int_id, load(payload), peft_config)
 
 
 # ---------------------------------------------------------------- grouped CPU LoRA ops

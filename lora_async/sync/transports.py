@@ -85,6 +85,8 @@ class _PackingTransport:
         self._lock = threading.Lock()
         self._layouts: dict[tuple, list[TensorMeta]] = {}
         self._broken: str | None = None
+        self.device = "cpu"
+        self._storage: torch.Tensor | None = None
 
     def publish(self, version: AdapterVersion) -> PublishStats:
         if self._broken:
@@ -112,7 +114,10 @@ class _PackingTransport:
         return self._layouts[key]
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
-        raise NotImplementedError
+        """The reused packing buffer on `self.device`, grown with headroom when too small."""
+        if self._storage is None or self._storage.numel() < nbytes:
+            self._storage = torch.empty(nbytes * 5 // 4 + 4096, dtype=torch.uint8, device=self.device)
+        return self._storage[:nbytes]
 
     def _loader(self, packed: PackedAdapter, meta: dict) -> Any:
         raise NotImplementedError
@@ -181,7 +186,6 @@ class CollectiveTransport(_PackingTransport):
         self.name = "nccl" if backend == "nccl" else "gloo"
         self.backend = backend
         self.device = device if backend == "nccl" else "cpu"
-        self._storage: torch.Tensor | None = None
         workers = len(generator.run_in_engine(lambda engine: engine.collective_rpc("lora_async_list")))
         world = 1 + workers
         port = free_port(host)
@@ -195,11 +199,6 @@ class CollectiveTransport(_PackingTransport):
                 raise TransportError(f"vLLM's workers did not join the {backend} group within "
                                      f"{timeout_s:.0f} s: {exc}") from exc
         log.info("%s group up: learner rank 0, workers %s", backend, ranks)
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        if self._storage is None or self._storage.numel() < nbytes:
-            self._storage = torch.empty(nbytes * 5 // 4 + 4096, dtype=torch.uint8, device=self.device)
-        return self._storage[:nbytes]
 
     def _loader(self, packed: PackedAdapter, meta: dict) -> Any:
         from .receive import broadcast
@@ -240,12 +239,6 @@ class CudaIpcTransport(_PackingTransport):
             raise TransportError("cuda-ipc needs the learner on a CUDA device (learner.device = 'cuda:N')")
         super().__init__(generator, False, timeout_s)
         self.device = device
-        self._storage: torch.Tensor | None = None
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        if self._storage is None or self._storage.numel() < nbytes:
-            self._storage = torch.empty(nbytes * 5 // 4 + 4096, dtype=torch.uint8, device=self.device)
-        return self._storage[:nbytes]
 
     def _loader(self, packed: PackedAdapter, meta: dict) -> Any:
         from torch.multiprocessing.reductions import reduce_tensor
