@@ -1,0 +1,38 @@
+"""The run's configuration: one pydantic tree, loaded from TOML.
+
+Every field has bounds and a one-line description. Unknown keys are errors. Derived values are
+properties, never silent rewrites. `load_config` turns any problem into a `ConfigError` whose
+message is one line naming the dotted field and the file; the CLI prints it and exits 2.
+
+    sections.py  plain tables: model, adapter, lora, sampling, learner, buffer, loss, run
+    backends.py  [generator] (union on `type`) and [sync] (union on `transport`)
+    tasks.py     [task] (union on `type`) and fleet entries ([[adapters]])
+    train.py     TrainConfig: cross-field checks and derived values
+    load.py      TOML + overrides -> TrainConfig, migration errors, one-line error messages
+"""
+
+from .backends import (
+    DEFAULT_SYNC, ENGINE_HOME_TEXT, CudaIpcSync, EngineHome, GeneratorBase, GeneratorConfig, HttpSync, InprocSync,
+    NcclSync, ServerGeneratorConfig, ShmSync, SyncBase, SyncConfig, VllmGeneratorConfig,
+)
+from .load import (
+    MIGRATIONS, ConfigError, apply_overrides, check_migrations, dump_config, format_validation_error, load_config,
+    parse_override,
+)
+from .sections import (
+    ADAPTER_NAME_RE, CPU_LIST_RE, AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, LossConfig, ModelConfig,
+    RunConfig, SamplingConfig, Section,
+)
+from .tasks import ArithmeticTask, FleetAdapter, JsonlTask, TaskConfig
+from .train import VLLM_LORA_RANKS, AdapterSpec, TrainConfig, vllm_rank
+
+__all__ = [
+    "ADAPTER_NAME_RE", "CPU_LIST_RE", "DEFAULT_SYNC", "ENGINE_HOME_TEXT", "MIGRATIONS", "VLLM_LORA_RANKS",
+    "AdapterConfig", "AdapterSpec", "ArithmeticTask", "BufferConfig", "ConfigError", "CudaIpcSync", "EngineHome",
+    "FleetAdapter", "GeneratorBase", "GeneratorConfig", "HttpSync", "InprocSync", "JsonlTask", "LearnerConfig",
+    "LoraConfig", "LossConfig", "ModelConfig", "NcclSync", "RunConfig", "SamplingConfig", "Section",
+    "ServerGeneratorConfig", "ShmSync", "SyncBase", "SyncConfig", "TaskConfig", "TrainConfig",
+    "VllmGeneratorConfig",
+    "apply_overrides", "check_migrations", "dump_config", "format_validation_error", "load_config",
+    "parse_override", "vllm_rank",
+]

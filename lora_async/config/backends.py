@@ -1,0 +1,153 @@
+"""Backend tables: [generator] (union on `type`) and [sync] (union on `transport`).
+
+A generator says where its engine lives (`engine_home`); a sync transport says where the engine
+must live for it to work (`needs`). `TrainConfig` compares the two generically and, when [sync]
+is left out, picks the transport from `DEFAULT_SYNC`.
+"""
+
+from __future__ import annotations
+
+import re
+from types import MappingProxyType
+from typing import Annotated, ClassVar, Literal, Union
+
+from pydantic import Field, field_validator
+
+from .sections import Cpus, Device, Section
+
+EngineHome = Literal["same", "separate", "server"]
+
+# How an error names each engine home, with the setting that selects it.
+ENGINE_HOME_TEXT = MappingProxyType({
+    "same": 'the engine in this process (generator.engine_process = "same")',
+    "separate": 'the engine in its own process (generator.engine_process = "separate")',
+    "server": 'remote servers (generator.type = "server")',
+})
+
+
+# ---------------------------------------------------------------- [generator]
+
+
+class GeneratorBase(Section):
+    """Settings every generator has."""
+
+    groups_in_flight: int = Field(16, ge=1, le=4096, description="Prompt groups kept generating at once.")
+    max_model_len: int = Field(1024, ge=64, le=1_048_576, description="Prompt + completion token limit.")
+
+
+class VllmGeneratorConfig(GeneratorBase):
+    """A vLLM engine owned by this run (in this process or its own)."""
+
+    type: Literal["vllm"] = Field("vllm", description="'vllm': an engine owned by this run.")
+    engine_process: Literal["same", "separate"] = Field(
+        "same", description="Run the vLLM engine core in this process or in its own."
+    )
+    memory_fraction: float = Field(
+        0.2, gt=0.0, le=0.95,
+        description="vLLM gpu_memory_utilization; on CPU the share of RAM for the KV cache.",
+    )
+    kv_cache_gb: float | None = Field(
+        None, gt=0, le=1024, description="Explicit KV-cache size in GB (overrides memory_fraction)."
+    )
+    fast_cpu_lora: bool = Field(
+        True, description="Use lora-async's grouped CPU LoRA kernels instead of vLLM's per-token gather."
+    )
+    device: Device = Field("auto", description="'auto', 'cpu' or 'cuda:N'.")
+    cpus: Cpus = Field("auto", description="CPU cores for the generator on CPU ('auto', '0', '0-3'); None = all.")
+
+    @property
+    def engine_home(self) -> EngineHome:
+        return self.engine_process
+
+
+class ServerGeneratorConfig(GeneratorBase):
+    """Running `lora-async server` / `vllm serve` replicas, driven over HTTP."""
+
+    type: Literal["server"] = Field("server", description="'server': running vLLM servers at `urls`.")
+    urls: list[str] = Field(
+        min_length=1, description="Base URLs of OpenAI-compatible vLLM servers (at least one)."
+    )
+    api_key: str | None = Field(None, description="Bearer token for the servers (or env LORA_ASYNC_API_KEY).")
+    request_timeout_s: float = Field(600.0, gt=0, le=86400, description="HTTP timeout of one generation request.")
+
+    @property
+    def engine_home(self) -> EngineHome:
+        return "server"
+
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", url):
+                raise ValueError(f"{url!r} is not a server base URL like 'http://127.0.0.1:8000'")
+        return [url.rstrip("/") for url in value]
+
+
+GeneratorConfig = Annotated[Union[VllmGeneratorConfig, ServerGeneratorConfig], Field(discriminator="type")]
+
+
+# ---------------------------------------------------------------- [sync]
+
+
+class SyncBase(Section):
+    """A way for new adapter versions to reach the engine; `needs` is the engine home it works with."""
+
+    needs: ClassVar[EngineHome]
+
+
+class InprocSync(SyncBase):
+    """Hand the learner's tensors to an engine in this process by reference."""
+
+    needs: ClassVar[EngineHome] = "same"
+    transport: Literal["inproc"] = Field("inproc", description="'inproc': owned tensors by reference.")
+
+
+class ShmSync(SyncBase):
+    """One packed buffer in POSIX shared memory."""
+
+    needs: ClassVar[EngineHome] = "separate"
+    transport: Literal["shm"] = Field("shm", description="'shm': a packed buffer in POSIX shared memory.")
+    checksum: bool = Field(True, description="Checksum every transfer.")
+    timeout_s: float = Field(60.0, gt=0, le=3600, description="Give up on a receiver that does not answer.")
+
+
+class NcclSync(SyncBase):
+    """One broadcast over a process group dedicated to weight sync."""
+
+    needs: ClassVar[EngineHome] = "separate"
+    transport: Literal["nccl"] = Field("nccl", description="'nccl': one broadcast over a dedicated process group.")
+    backend: Literal["nccl", "gloo"] = Field("nccl", description="Process-group backend ('gloo' on CPU).")
+    checksum: bool = Field(True, description="Checksum every transfer.")
+    timeout_s: float = Field(60.0, gt=0, le=3600, description="Give up on a receiver that does not answer.")
+
+
+class CudaIpcSync(SyncBase):
+    """A CUDA IPC handle to the learner's GPU buffer."""
+
+    needs: ClassVar[EngineHome] = "separate"
+    transport: Literal["cuda-ipc"] = Field(
+        "cuda-ipc", description="'cuda-ipc': a CUDA IPC handle to the learner's GPU buffer."
+    )
+    timeout_s: float = Field(60.0, gt=0, le=3600, description="Give up on a receiver that does not answer.")
+
+
+class HttpSync(SyncBase):
+    """PEFT directories the servers load over their LoRA HTTP API."""
+
+    needs: ClassVar[EngineHome] = "server"
+    transport: Literal["http"] = Field("http", description="'http': PEFT directories loaded by the servers.")
+    dir: str | None = Field(
+        None, description="Where PEFT directories are written; the servers must read it (None = OUT/sync)."
+    )
+    timeout_s: float = Field(60.0, gt=0, le=3600, description="Give up on a server that does not answer.")
+    retry_budget_s: float = Field(30.0, ge=0, le=3600, description="Total time for retries against a server.")
+
+
+SyncConfig = Annotated[
+    Union[InprocSync, ShmSync, NcclSync, CudaIpcSync, HttpSync], Field(discriminator="transport")
+]
+
+# The transport a run uses when [sync] is left out, per engine home.
+DEFAULT_SYNC: MappingProxyType[str, type[SyncBase]] = MappingProxyType({
+    "same": InprocSync, "separate": ShmSync, "server": HttpSync,
+})

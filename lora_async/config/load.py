@@ -1,0 +1,236 @@
+"""Loading: TOML + `--set` overrides -> `TrainConfig`, and every problem as one `ConfigError` line.
+
+Old keys are refused before validation with the exact change to make (`MIGRATIONS`). Pydantic
+errors are located by walking the model classes along the error's `loc`, so union tags never
+show up in a dotted path and unknown keys inside a backend name the backend they are not part of.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Iterator, Union, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+
+from .sections import SamplingConfig
+from .tasks import JsonlTask
+from .train import TrainConfig
+
+
+class ConfigError(Exception):
+    """A configuration problem, phrased as one line for the user."""
+
+
+# ---------------------------------------------------------------- migration of old keys
+
+# (dotted key, '*' matching a list index; the old value that is refused, None = any; what to do).
+# `{N}` in the text is replaced by the list index the key was found at.
+MIGRATIONS: tuple[tuple[str, Any, str], ...] = (
+    ("generator.backend", None, 'renamed generator.type ("vllm" or "server")'),
+    *((f"generator.{key}", None, f"moved to [sampling] (sampling.{key})") for key in SamplingConfig.model_fields),
+    ("sync.transport", "auto", "'auto' is gone: leave out [sync] to pick the transport from the generator"),
+    ("adapters.*.generation", None, "renamed adapters.{N}.sampling"),
+)
+
+
+def _find(node: Any, path: list[str], found: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Every (concrete dotted path, value) in raw data matching `path`."""
+    if not path:
+        yield found, node
+        return
+    head, rest = path[0], path[1:]
+    if head == "*" and isinstance(node, list):
+        for i, child in enumerate(node):
+            yield from _find(child, rest, found + (str(i),))
+    elif isinstance(node, dict) and head in node:
+        yield from _find(node[head], rest, found + (head,))
+
+
+def check_migrations(data: dict[str, Any], source: str) -> None:
+    """Refuse keys of an older schema, saying exactly what to write instead (never rewrites)."""
+    for pattern, old_value, text in MIGRATIONS:
+        for where, value in _find(data, pattern.split(".")):
+            if old_value is None or value == old_value:
+                index = next((part for part, want in zip(where, pattern.split(".")) if want == "*"), "")
+                raise ConfigError(f"{source}: {'.'.join(where)}: {text.replace('{N}', index)}")
+
+
+# ---------------------------------------------------------------- error formatting
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where an error's loc points, in the user's terms."""
+
+    field: str                                # dotted path, union tags dropped
+    member: str | None                        # 'generator.type = "vllm"' when the last key sits in a union member
+    union: tuple[str, list[str]] | None       # (discriminator, tags) when the loc ends on a tagged union
+
+
+def _unwrap(annotation: Any) -> tuple[Any, str | None]:
+    """Strip Optional and Annotated; return the core type and a discriminator found on the way."""
+    discriminator = None
+    while True:
+        if get_origin(annotation) is Annotated:
+            for meta in annotation.__metadata__:
+                if isinstance(getattr(meta, "discriminator", None), str):
+                    discriminator = meta.discriminator
+            annotation = get_args(annotation)[0]
+        elif get_origin(annotation) in (Union, types.UnionType):
+            members = [arg for arg in get_args(annotation) if arg is not type(None)]
+            if len(members) > 1:
+                return annotation, discriminator
+            annotation = members[0]
+        else:
+            return annotation, discriminator
+
+
+def _tags(union: Any, discriminator: str) -> dict[str, type[BaseModel]]:
+    return {tag: member for member in get_args(union)
+            for tag in get_args(member.model_fields[discriminator].annotation)}
+
+
+def _locate(loc: tuple[Any, ...]) -> _Place:
+    parts: list[str] = []
+    annotation: Any = TrainConfig
+    discriminator: str | None = None
+    member = owner = None  # the union member we are in; the member holding the last key
+    for i, item in enumerate(loc):
+        core, found = _unwrap(annotation)
+        discriminator = discriminator or found
+        if get_origin(core) in (Union, types.UnionType):
+            tags = _tags(core, discriminator) if discriminator else {}
+            if item not in tags:
+                break  # a plain union: pydantic's labels of its members are not keys
+            member = f"{'.'.join(parts)}.{discriminator} = \"{item}\""
+            annotation, discriminator = tags[item], None
+            continue
+        if isinstance(core, type) and issubclass(core, BaseModel) and item in core.model_fields:
+            info = core.model_fields[item]
+            annotation = info.annotation
+            discriminator = info.discriminator if isinstance(info.discriminator, str) else None
+        elif get_origin(core) is list and isinstance(item, int):
+            annotation = get_args(core)[0]
+        else:
+            parts.extend(str(part) for part in loc[i:])  # an unknown key or a scalar's inner detail
+            owner = member
+            break
+        owner, member = member, None
+        parts.append(str(item))
+    else:
+        core, found = _unwrap(annotation)
+        discriminator = discriminator or found
+        if get_origin(core) in (Union, types.UnionType) and discriminator:
+            return _Place(".".join(parts), owner, (discriminator, list(_tags(core, discriminator))))
+    return _Place(".".join(parts) or "(root)", owner, None)
+
+
+def _either(tags: list[str]) -> str:
+    quoted = [repr(tag) for tag in tags]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    """The first error as one line: `file: dotted.field: problem`."""
+    err = exc.errors()[0]
+    place, kind = _locate(err["loc"]), err["type"]
+    field = place.field
+    if place.union and kind in ("union_tag_invalid", "union_tag_not_found"):
+        discriminator, tags = place.union
+        field = f"{field}.{discriminator}"
+        if kind == "union_tag_invalid":
+            expected = [tag.strip("'") for tag in err["ctx"]["expected_tags"].split(", ")]
+            msg = f"unknown {err['ctx']['tag']!r} (use {_either(expected)})"
+        else:
+            msg = f"required (one of {_either(tags)})"
+    elif kind == "extra_forbidden" and place.member:
+        msg = f"not a setting of {place.member} (check the spelling or the type)"
+    elif kind == "extra_forbidden":
+        msg = "unknown key (check the spelling; see `lora-async train --help`)"
+    elif kind == "missing":
+        msg = f"required for {place.member}" if place.member else "required field is missing"
+    else:
+        msg = err["msg"].removeprefix("Value error, ")
+        if "input" in err and kind != "value_error" and not isinstance(err["input"], dict):
+            msg += f" (got {err['input']!r})"
+    more = len(exc.errors()) - 1
+    suffix = f" [+{more} more]" if more else ""
+    if field == "(root)" and re.match(r"^[a-z_][\w.]*[: ]", msg):
+        return f"{source}: {msg}{suffix}"  # a cross-field check names its own dotted fields
+    return f"{source}: {field}: {msg}{suffix}"
+
+
+# ---------------------------------------------------------------- loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`dotted.key=value` -> (path, value); the value is parsed as TOML, else kept a string."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected dotted.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
+        raise ConfigError(f"--set {text!r}: {key!r} is not a dotted key")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {text!r}: {'.'.join(path[:-1])} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read TOML (or defaults when path is None), apply `--set` overrides, validate."""
+    source = str(path) if path is not None else "<defaults>"
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"{source}: config file not found")
+        try:
+            data = tomllib.loads(file.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    data = apply_overrides(data, list(overrides))
+    if overrides:
+        source += " (with --set)"
+    check_migrations(data, source)
+    try:
+        config = TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from None
+    tasks = [("task", config.task)] if config.adapters is None else [
+        (f"adapters.{i}.task", entry.task) for i, entry in enumerate(config.adapters)]
+    for field_name, task in tasks:
+        if isinstance(task, JsonlTask):
+            task_path = Path(task.path)
+            if not task_path.is_absolute() and path is not None:
+                task_path = Path(path).parent / task_path
+            if not task_path.is_file():
+                raise ConfigError(f"{source}: {field_name}.path: file not found: {task.path}")
+            task.path = str(task_path.resolve())
+    return config
+
+
+def dump_config(config: TrainConfig) -> str:
+    """The config as JSON, written next to the run's outputs; `TrainConfig.model_validate` of it
+    gives the same run (a fleet entry's `sampling` keeps only the fields it set)."""
+    return json.dumps(config.model_dump(mode="json"), indent=2)

@@ -1,0 +1,152 @@
+"""The plain sections of the run's config: model, adapter, lora, sampling, learner, buffer, loss, run.
+
+Each is a flat pydantic model with bounds and a one-line description per field; the shared
+base forbids unknown keys. Backends (generator, sync) and tasks live in their own modules.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+ADAPTER_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
+CPU_LIST_RE = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+
+
+class Section(BaseModel):
+    """Base of every config table: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def check_cpus(value: str | None) -> str | None:
+    if value is None or value == "auto":
+        return value
+    if not CPU_LIST_RE.match(value):
+        raise ValueError("must be a core list like '0', '0-3' or '0,2', or 'auto'")
+    return value
+
+
+def check_device(value: str) -> str:
+    if value not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", value):
+        raise ValueError("must be 'auto', 'cpu' or 'cuda:N'")
+    return value
+
+
+Device = Annotated[str, AfterValidator(check_device)]  # 'auto', 'cpu' or 'cuda:N'
+Cpus = Annotated[Union[str, None], AfterValidator(check_cpus)]  # 'auto', a core list, or None (all)
+
+
+class ModelConfig(Section):
+    name: str = Field("smollm2-135m", description="Embedded model name, local HF directory, or hub id.")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Dtype of the frozen base weights (learner and generator)."
+    )
+
+
+class AdapterConfig(Section):
+    name: str = Field("main", description="Adapter name: a plain identifier.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not ADAPTER_NAME_RE.match(value):
+            raise ValueError("must be a plain identifier (letters, digits, _ and -, max 64)")
+        return value
+
+
+class LoraConfig(Section):
+    rank: int = Field(8, ge=1, le=512, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, le=4096, description="LoRA alpha; the update is scaled by alpha / r.")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        "all-linear", description="Modules to adapt: 'all-linear' or a list of module names."
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout probability.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("must name at least one module (or be 'all-linear')")
+        return value
+
+
+class SamplingConfig(Section):
+    """How rollouts are sampled; a fleet entry's `sampling` overrides only the fields it sets."""
+
+    max_new_tokens: int = Field(32, ge=1, le=32768, description="Completion length limit.")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    samples_per_prompt: int = Field(8, ge=2, le=256, description="Completions per prompt (the GRPO group).")
+
+
+class LearnerConfig(Section):
+    lr: float = Field(2e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    groups_per_step: int = Field(8, ge=1, le=4096, description="Prompt groups per optimizer step.")
+    token_budget: int = Field(
+        4096, ge=16, le=10_000_000, description="Max (padded) tokens per micro-batch."
+    )
+    micro_batches_per_step: int = Field(
+        16, ge=1, le=4096,
+        description="Max micro-batches per step; groups that do not fit wait for the next step.",
+    )
+    grad_clip: float = Field(1.0, gt=0.0, le=1e6, description="Max global gradient norm.")
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="Compute dtype of the learner's frozen base."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    logprob_chunk: int = Field(
+        1024, ge=16, le=1_000_000, description="Positions per chunk of the log-softmax over the vocab."
+    )
+    device: Device = Field("auto", description="'auto', 'cpu' or 'cuda:N'.")
+    cpus: Cpus = Field("auto", description="CPU cores for the learner on CPU ('auto', '1', '2-3'); None = all.")
+
+
+class BufferConfig(Section):
+    max_tokens: int = Field(
+        262_144, ge=64, le=1_000_000_000, description="Token bound of the rollout buffer."
+    )
+    max_staleness: int = Field(
+        1, ge=0, le=64,
+        description="Max versions a sample may lag the learner (0 = synchronous training).",
+    )
+    stale_policy: Literal["drop", "is-correct"] = Field(
+        "drop", description="What happens to samples older than max_staleness."
+    )
+
+
+class LossConfig(Section):
+    type: Literal["ppo-clip", "tis", "none"] = Field(
+        "ppo-clip", description="Importance correction against vLLM's sampling logprobs."
+    )
+    clip_eps: float = Field(0.2, gt=0.0, le=10.0, description="PPO clip range (1-eps, 1+eps).")
+    ratio_cap: float = Field(2.0, ge=1.0, le=1e4, description="Truncation of the IS weight (tis, is-correct).")
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="KL penalty to the base model (adapter off).")
+
+
+class RunConfig(Section):
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for task sampling, init and vLLM.")
+    max_steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps to run.")
+    time_budget_s: float | None = Field(
+        None, gt=0, description="Stop after this many seconds of training (None = no limit)."
+    )
+    output_dir: str = Field("runs/default", description="Where metrics, adapters and checkpoints go.")
+    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
+    eval_every: int = Field(0, ge=0, description="Held-out greedy eval every N steps (0 = off).")
+    eval_max_tokens: int | None = Field(
+        None, ge=1, le=32768, description="Completion limit for held-out eval (None = sampling.max_new_tokens)."
+    )
+    eval_at_start: bool = Field(False, description="Evaluate the base model before training.")
+    eval_at_end: bool = Field(False, description="Evaluate the final adapter after training.")
+    canary_every: int = Field(10, ge=0, description="Generator/learner logprob probe every N syncs (0 = off).")
+    chart_every: int = Field(5, ge=0, description="Redraw OUT/chart.png every N steps (0 = off).")
+    progress: bool = Field(True, description="Show the rich progress display.")
+    log_interval_s: float = Field(
+        10.0, ge=0, le=86400,
+        description="When stderr is not a terminal: print a one-line step summary at most this often "
+                    "(0 = every step).",
+    )
+    engine_log: bool = Field(False, description="Let vLLM log at INFO level.")

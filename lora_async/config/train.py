@@ -1,0 +1,157 @@
+"""`TrainConfig`, the root of the config tree: its cross-field checks and derived values.
+
+Derived values (`adapter_specs`, `sync_config`, `max_lora_rank`, ...) are properties computed
+from the fields as given; nothing here writes back into a field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+
+from .backends import DEFAULT_SYNC, ENGINE_HOME_TEXT, GeneratorConfig, SyncBase, SyncConfig, VllmGeneratorConfig
+from .sections import (
+    AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, LossConfig, ModelConfig, RunConfig, SamplingConfig,
+    Section,
+)
+from .tasks import ArithmeticTask, FleetAdapter, JsonlTask, TaskConfig, default_types
+
+# vLLM accepts only these `max_lora_rank` values.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_rank(rank: int) -> int:
+    """Round a LoRA rank up to a value vLLM accepts for `max_lora_rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One adapter as the run sees it, fleet overrides resolved."""
+
+    name: str
+    task: ArithmeticTask | JsonlTask
+    lora: LoraConfig
+    lr: float
+    weight: float
+    sampling: SamplingConfig
+
+
+class TrainConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The frozen base model.")
+    adapter: AdapterConfig = Field(
+        default_factory=AdapterConfig, description="The adapter of a single-adapter run."
+    )
+    adapters: list[FleetAdapter] | None = Field(
+        None, description="A fleet: several adapters trained at once (instead of [adapter]+[task])."
+    )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="The LoRA shape (a fleet entry may give its own)."
+    )
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="How rollouts are sampled.")
+    generator: GeneratorConfig = Field(
+        default_factory=VllmGeneratorConfig, description="Who generates: 'vllm' (type left out) or 'server'."
+    )
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The optimizer and its batches.")
+    buffer: BufferConfig = Field(default_factory=BufferConfig, description="The rollout buffer and staleness.")
+    sync: SyncConfig | None = Field(
+        None, description="How new versions reach the engine (None = the default for the generator)."
+    )
+    loss: LossConfig = Field(default_factory=LossConfig, description="The policy-gradient loss.")
+    run: RunConfig = Field(default_factory=RunConfig, description="Steps, outputs, eval and logging.")
+    task: TaskConfig = Field(
+        default_factory=ArithmeticTask, description="The task and reward (type left out = arithmetic)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_types(cls, data: Any) -> Any:
+        return default_types(data, task="arithmetic", generator="vllm")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "TrainConfig":
+        self._check_sync()
+        self._check_lengths()
+        if self.adapters is not None:
+            self._check_fleet(self.adapters)
+        return self
+
+    def _check_sync(self) -> None:
+        if self.sync is None or self.sync.needs == self.generator.engine_home:
+            return
+        raise ValueError(
+            f"sync.transport: {self.sync.transport!r} needs {ENGINE_HOME_TEXT[self.sync.needs]}, but this "
+            f"config has {ENGINE_HOME_TEXT[self.generator.engine_home]}; change one of the two, or leave out "
+            "[sync] to pick the transport from the generator"
+        )
+
+    def _check_lengths(self) -> None:
+        limit = self.generator.max_model_len
+        fields = [("sampling.max_new_tokens", self.sampling.max_new_tokens)] + [
+            (f"adapters.{i}.sampling.max_new_tokens", entry.sampling.max_new_tokens)
+            for i, entry in enumerate(self.adapters or ()) if "max_new_tokens" in entry.sampling.model_fields_set
+        ]
+        for field, tokens in fields:
+            if tokens >= limit:
+                raise ValueError(f"{field} ({tokens}) must be below generator.max_model_len ({limit}): "
+                                 f"raise generator.max_model_len or lower {field}")
+
+    def _check_fleet(self, adapters: list[FleetAdapter]) -> None:
+        if not adapters:
+            raise ValueError("adapters: a fleet needs at least one [[adapters]] entry")
+        clash = sorted({"adapter", "task"} & self.model_fields_set)
+        if clash:
+            raise ValueError(f"{clash[0]}: give either [{clash[0]}] or [[adapters]], not both "
+                             "(each fleet entry has its own name and task)")
+        seen: dict[str, int] = {}
+        for i, entry in enumerate(adapters):
+            if entry.name in seen:
+                raise ValueError(f"adapters.{i}.name: duplicate adapter name {entry.name!r} "
+                                 f"(also adapters.{seen[entry.name]}.name)")
+            seen[entry.name] = i
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A dump must load back to the same run: a fleet's defaulted [adapter]/[task] would clash.
+        data = handler(self)
+        if self.adapters is not None:
+            data.pop("adapter", None)
+            data.pop("task", None)
+        return data
+
+    # ---- derived values (never written back) ----
+    @property
+    def adapter_specs(self) -> list[AdapterSpec]:
+        """Every adapter of the run, overrides resolved (one entry for a single-adapter run)."""
+        if self.adapters is None:
+            return [AdapterSpec(self.adapter.name, self.task, self.lora, self.learner.lr, 1.0, self.sampling)]
+        specs = []
+        for entry in self.adapters:
+            # Only the fields the entry sets override [sampling]; the rest are not SamplingConfig's defaults.
+            own = entry.sampling.model_dump(include=entry.sampling.model_fields_set)
+            sampling = self.sampling.model_copy(update=own)
+            lr = self.learner.lr if entry.lr is None else entry.lr
+            specs.append(AdapterSpec(entry.name, entry.task, entry.lora or self.lora, lr, entry.weight, sampling))
+        return specs
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return [spec.name for spec in self.adapter_specs]
+
+    @property
+    def eval_max_tokens(self) -> int:
+        return self.run.eval_max_tokens or self.sampling.max_new_tokens
+
+    @property
+    def max_lora_rank(self) -> int:
+        return vllm_rank(max(spec.lora.rank for spec in self.adapter_specs))
+
+    @property
+    def sync_config(self) -> SyncBase:
+        """The [sync] table, or when it is left out the default transport for the generator's engine home."""
+        return self.sync if self.sync is not None else DEFAULT_SYNC[self.generator.engine_home]()
