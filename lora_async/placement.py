@@ -58,7 +58,7 @@ def cuda_available() -> bool:
 
 
 def resolve(
-    generator_device: str,
+    generator_device: str | None,
     generator_cpus: str | None,
     learner_device: str,
     learner_cpus: str | None,
@@ -67,18 +67,22 @@ def resolve(
     """Turn config strings into placements.
 
     `auto` devices pick CUDA when present (generator on cuda:0, learner on cuda:1 if there
-    are two GPUs). `auto` core sets on CPU split the cores in two when generation and training
+    are two GPUs). `generator_device=None`: no local generator (remote servers); the learner
+    then takes cuda:0, and the returned generator placement is only a placeholder. `auto` core sets on CPU split the cores in two when generation and training
     run concurrently (`max_staleness > 0`), since each scales sub-linearly with cores; with
     synchronous training the two take turns, so both get every core.
     """
     have_cuda = cuda_available()
-    if generator_device == "auto":
+    local_generator = generator_device is not None
+    if generator_device is None:
+        generator_device = "cpu"
+    elif generator_device == "auto":
         generator_device = "cuda:0" if have_cuda else "cpu"
     if learner_device == "auto":
         if have_cuda:
             import torch
 
-            learner_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+            learner_device = "cuda:1" if local_generator and torch.cuda.device_count() > 1 else "cuda:0"
         else:
             learner_device = "cpu"
     cores = available_cpus()

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from lora_async.bench.common import blocking_generate
-from lora_async.generator.types import AdapterVersion, GenRequest, GenResult
+from lora_async.generator.types import AdapterVersion, GenRequest, GenResult, PublishStats
 
 
 def random_adapter(model_dir: Path, adapter: str, version: int, seed: int, scale: float = 1.0,
@@ -27,6 +27,13 @@ def random_adapter(model_dir: Path, adapter: str, version: int, seed: int, scale
     tensors = {k: (v.detach() * scale).clone() for k, v in get_peft_model_state_dict(model).items()}
     config = peft_config_dict(cfg)
     return AdapterVersion(adapter, version, tensors, config)
+
+
+def publish(engine, version: AdapterVersion) -> PublishStats:
+    """The in-process path a training run takes (validate, owned tensors, register)."""
+    from lora_async.sync.transports import InprocTransport
+
+    return InprocTransport(engine, engine.spec.dtype).publish(version)
 
 
 def generate(generator, request: GenRequest, timeout: float = 120.0) -> GenResult:

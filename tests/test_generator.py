@@ -13,29 +13,49 @@ import torch
 
 from lora_async.adapters import save_peft_dir
 from lora_async.generator.registry import RegistryError
-from lora_async.generator.types import AdapterVersion, GenRequest
+from lora_async.generator.types import AdapterVersion, GenRequest, GenStatus
 from lora_async.generator.validate import AdapterError
 
-from .helpers import PROMPTS, generate, random_adapter, submit_many
+from .helpers import PROMPTS, generate, publish, random_adapter, submit_many
 
 pytestmark = pytest.mark.vllm
 
 
+def fleet_config(tiny_model, max_staleness=1):
+    """A 3-adapter fleet on the tiny model, as a run would configure it."""
+    from lora_async.config import TrainConfig
+
+    return TrainConfig.model_validate({
+        "model": {"name": str(tiny_model)}, "generator": {"kv_cache_gb": 0.25, "max_model_len": 512},
+        "buffer": {"max_staleness": max_staleness},
+        "adapters": [{"name": name, "task": {"type": "arithmetic"}} for name in ("a", "b", "c")]})
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    """One in-process vLLM engine for this module.
+    """One in-process vLLM engine for this module, built from a run config the way a run builds it.
 
     vLLM keeps its distributed state in process globals, so an in-process engine must not
     outlive another one's shutdown: engines in one process are strictly one after another.
     """
-    from lora_async.generator.vllm_engine import EngineSpec, VllmGenerator
+    from lora_async.generator.engine import EngineSpec, VllmGenerator
     from lora_async.placement import Placement
 
-    spec = EngineSpec(model_dir=tiny_model, adapters=("a", "b", "c"), max_staleness=1, max_lora_rank=8,
-                      kv_cache_gb=0.25, max_model_len=512, seed=0)
-    generator = VllmGenerator(spec, Placement("cpu", None))
+    generator = VllmGenerator(EngineSpec.from_config(fleet_config(tiny_model), tiny_model), Placement("cpu", None))
     yield generator
     generator.close()
+
+
+def test_lora_slots_are_sized_from_the_config(engine, tiny_model):
+    """What the engine really holds (vLLM's lora_config), not what a formula says it should.
+
+    Every live version of every adapter (max_staleness + 1 each) plus one being published may
+    share a batch; one draining version per adapter may stay registered beside them."""
+    assert engine.lora_slots() == (3 * (1 + 1) + 1, 3 * (1 + 1) + 1 + 3)
+    from lora_async.generator.engine import EngineSpec
+
+    wider = EngineSpec.from_config(fleet_config(tiny_model, max_staleness=2), tiny_model)
+    assert (wider.max_loras, wider.max_cpu_loras) == (3 * 3 + 1, 3 * 3 + 1 + 3)
 
 GREEDY = dict(temperature=0.0, n=1)
 
@@ -57,7 +77,7 @@ def next_version(engine, adapter: str) -> int:
 def test_tensor_publish_matches_peft_directory(engine, tiny_model, tmp_path):
     """(a) tensors handed over in memory serve exactly what vLLM loads from a PEFT directory."""
     version = random_adapter(tiny_model, "a", next_version(engine, "a"), seed=1)
-    stats = engine.publish(version)
+    stats = publish(engine, version)
     assert stats.vllm_name == f"a@v{version.version}"
     peft_dir = save_peft_dir(tmp_path / "peft", version.tensors, version.peft_config)
     engine.publish_dir("b", next_version(engine, "b"), peft_dir)
@@ -77,9 +97,9 @@ def test_two_versions_in_one_batch_each_use_their_own_weights(engine, tiny_model
     old = random_adapter(tiny_model, "a", k, seed=11, scale=3.0)
     new = random_adapter(tiny_model, "a", k + 1, seed=12, scale=3.0)
     prompt = PROMPTS[0]
-    engine.publish(old)
+    publish(engine, old)
     alone_old = greedy(engine, "a", prompt, max_tokens=8).samples[0].token_ids
-    engine.publish(new)
+    publish(engine, new)
     alone_new = greedy(engine, "a", prompt, max_tokens=8).samples[0].token_ids
     assert alone_old != alone_new
 
@@ -92,7 +112,7 @@ def test_two_versions_in_one_batch_each_use_their_own_weights(engine, tiny_model
         box["long"] = result
     engine.submit(GenRequest(prompt, "a", max_tokens=40, min_tokens=40, **GREEDY), on_done)
     time.sleep(0.05)
-    engine.publish(third)
+    publish(engine, third)
     short = greedy(engine, "a", prompt, max_tokens=8)
     deadline = time.time() + 60
     while "long" not in box and time.time() < deadline:
@@ -110,13 +130,13 @@ def test_new_weights_are_served_never_stale(engine, tiny_model):
     seen = []
     for seed in (21, 22, 23):
         version = random_adapter(tiny_model, "c", next_version(engine, "c"), seed=seed, scale=3.0)
-        stats = engine.publish(version)
+        stats = publish(engine, version)
         seen.append((stats.int_id, stats.vllm_name))
         result = greedy(engine, "c", prompt, max_tokens=8)
         assert result.version == version.version
         # reference: the same weights under a fresh adapter name
         ref = AdapterVersion("b", next_version(engine, "b"), version.tensors, version.peft_config)
-        engine.publish(ref)
+        publish(engine, ref)
         assert greedy(engine, "b", prompt, max_tokens=8).samples[0].token_ids == result.samples[0].token_ids
     ids = [i for i, _ in seen]
     assert len(set(ids)) == len(ids) and ids == sorted(ids)
@@ -136,13 +156,11 @@ def test_reusing_an_int_id_serves_stale_weights_in_vllm(engine, tiny_model):
     prompt = PROMPTS[2]
 
     def run(tensors):
-        def fn(eng):
+        def fn(client):
             from lora_async.sync.pack import pack, unpack_views
 
-            ids = eng.collective_rpc("lora_async_list")[0]
-            if int_id not in ids:
-                eng.collective_rpc("lora_async_add_tensors", args=(int_id, unpack_views(pack(tensors, torch.bfloat16)),
-                                                                 tensors.peft_config))
+            if int_id not in client.lora_ids():
+                client.add_tensors(int_id, unpack_views(pack(tensors, torch.bfloat16)), tensors.peft_config)
             return True
         engine.run_in_engine(fn)
 
@@ -155,7 +173,8 @@ def test_reusing_an_int_id_serves_stale_weights_in_vllm(engine, tiny_model):
             from vllm import SamplingParams
             from vllm.sampling_params import RequestOutputKind
 
-            def fn(eng):
+            def fn(client):
+                eng = client.engine  # vLLM's own API, to pin vLLM's own behaviour
                 rid = f"trap-{len(box)}-{time.time()}"
                 eng.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(
                     max_tokens=6, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY), lora_request=request)
@@ -169,7 +188,7 @@ def test_reusing_an_int_id_serves_stale_weights_in_vllm(engine, tiny_model):
         run(second)  # "publishing" new weights under the same id does nothing...
         assert gen_raw() == out_first  # ...the old weights keep being served
     finally:
-        engine.run_in_engine(lambda eng: eng.collective_rpc("lora_async_remove", args=(int_id,)))
+        engine.run_in_engine(lambda client: client.remove(int_id))
 
 
 def test_in_flight_request_finishes_on_its_version(engine, tiny_model):
@@ -177,12 +196,12 @@ def test_in_flight_request_finishes_on_its_version(engine, tiny_model):
     k = next_version(engine, "a")
     v_k = random_adapter(tiny_model, "a", k, seed=41, scale=3.0)
     v_next = random_adapter(tiny_model, "a", k + 1, seed=42, scale=3.0)
-    engine.publish(v_k)
+    publish(engine, v_k)
     reference = greedy(engine, "a", PROMPTS[0], max_tokens=48).samples[0].token_ids
     box = []
     engine.submit(GenRequest(PROMPTS[0], "a", max_tokens=48, min_tokens=48, **GREEDY), box.append)
     time.sleep(0.05)
-    stats = engine.publish(v_next)
+    stats = publish(engine, v_next)
     assert engine.in_flight() >= 0
     after = greedy(engine, "a", PROMPTS[0], max_tokens=4)
     deadline = time.time() + 60
@@ -196,22 +215,20 @@ def test_in_flight_request_finishes_on_its_version(engine, tiny_model):
 
 def test_stale_rollouts_are_cut_short_and_other_requests_are_not(engine, tiny_model):
     """Rollouts on versions a step makes too old stop at once; evals on the same version go on."""
-    from lora_async.generator.vllm_engine import ABORTED_STALE
-
     k = next_version(engine, "c")
-    engine.publish(random_adapter(tiny_model, "c", k, seed=51))
+    publish(engine, random_adapter(tiny_model, "c", k, seed=51))
     rollout, evaluation = [], []
     long = dict(max_tokens=200, min_tokens=200, **GREEDY)
     engine.submit(GenRequest(PROMPTS[0], "c", tag="rollout", **long), rollout.append)
     engine.submit(GenRequest(PROMPTS[1], "c", tag="eval", max_tokens=24, min_tokens=24, **GREEDY),
                   evaluation.append)
     time.sleep(0.1)
-    engine.publish(random_adapter(tiny_model, "c", k + 1, seed=52))
+    publish(engine, random_adapter(tiny_model, "c", k + 1, seed=52))
     engine.abort_older("c", k + 1, "rollout")
     deadline = time.time() + 60
     while not (rollout and evaluation) and time.time() < deadline:
         time.sleep(0.02)
-    assert rollout[0].error.startswith(ABORTED_STALE) and not rollout[0].samples
+    assert rollout[0].status is GenStatus.ABORTED_STALE and not rollout[0].samples
     assert evaluation[0].ok and evaluation[0].version == k and len(evaluation[0].samples[0].token_ids) == 24
     # a rollout on the new version is not touched
     fresh = []
@@ -233,7 +250,7 @@ def test_publish_retire_cycles_stay_bounded(engine, tiny_model):
         for _ in range(n):
             v = next_version(engine, "b")
             tensors = {k: t * (1 + 0.01 * v) for k, t in base.tensors.items()}
-            engine.publish(AdapterVersion("b", v, tensors, base.peft_config))
+            publish(engine, AdapterVersion("b", v, tensors, base.peft_config))
             assert len(engine.engine_lora_ids()) <= bound
             assert len(engine.live_versions("b")) <= engine.spec.max_staleness + 1
             assert greedy(engine, "b", PROMPTS[0], max_tokens=2).version == v
@@ -253,7 +270,7 @@ def test_publish_retire_cycles_stay_bounded(engine, tiny_model):
 def test_live_versions_never_touch_lora_path(engine, tiny_model):
     """Live versions are registered in the worker; their lora_path is fake and never read."""
     v = next_version(engine, "c")
-    engine.publish(random_adapter(tiny_model, "c", v, seed=61))
+    publish(engine, random_adapter(tiny_model, "c", v, seed=61))
     live = [lv for lv in engine.registry.all_live() if lv.adapter == "c" and lv.version == v][0]
     assert live.int_id in engine.engine_lora_ids()
     assert greedy(engine, "c", PROMPTS[0]).version == v  # would fail loudly if the fake path were read
@@ -264,7 +281,7 @@ def test_bad_adapters_are_rejected_before_the_engine(engine, tiny_model, case):
     """Each bad input is a clear error; the engine keeps serving the version it had."""
     v = next_version(engine, "c")
     good = random_adapter(tiny_model, "c", v, seed=71)
-    engine.publish(good)
+    publish(engine, good)
     before = greedy(engine, "c", PROMPTS[0])
     tensors = dict(good.tensors)
     config = dict(good.peft_config)
@@ -292,7 +309,7 @@ def test_bad_adapters_are_rejected_before_the_engine(engine, tiny_model, case):
     elif case == "name":
         name = "../evil"
     with pytest.raises(AdapterError) as err:
-        engine.publish(AdapterVersion(name, v + 1, tensors, config))
+        publish(engine, AdapterVersion(name, v + 1, tensors, config))
     assert "\n" not in str(err.value)
     after = greedy(engine, "c", PROMPTS[0])
     assert after.version == v and after.samples[0].token_ids == before.samples[0].token_ids
@@ -300,14 +317,14 @@ def test_bad_adapters_are_rejected_before_the_engine(engine, tiny_model, case):
 
 def test_versions_are_monotonic(engine, tiny_model):
     v = next_version(engine, "c")
-    engine.publish(random_adapter(tiny_model, "c", v, seed=81))
+    publish(engine, random_adapter(tiny_model, "c", v, seed=81))
     with pytest.raises(RegistryError):
-        engine.publish(random_adapter(tiny_model, "c", v, seed=82))
+        publish(engine, random_adapter(tiny_model, "c", v, seed=82))
 
 
 def test_base_and_adapters_share_a_batch(engine, tiny_model):
     v = next_version(engine, "a")
-    engine.publish(random_adapter(tiny_model, "a", v, seed=91, scale=3.0))
+    publish(engine, random_adapter(tiny_model, "a", v, seed=91, scale=3.0))
     reqs = [GenRequest(p, adapter, max_tokens=6, **GREEDY) for p in PROMPTS for adapter in (None, "a")]
     results = submit_many(engine, reqs)
     for req, res in zip(reqs, results):

@@ -5,18 +5,18 @@ import inspect
 import pytest
 import torch
 
-from lora_async.generator import vllm_ext
-from lora_async.generator.vllm_ext import VllmCompatError, check_vllm_compat
+from lora_async.generator.vllm import compat, cpu_lora_ops
+from lora_async.generator.vllm.compat import VllmCompatError, check_vllm_compat
 
 
 def test_vllm_internals_we_rely_on_are_unchanged():
-    """If this fails, vLLM moved `_load_adapter`, `from_lora_tensors` or `LoRARequest` fields:
-    the tensor hand-off in vllm_ext.py must be re-checked against the new vLLM."""
+    """If this fails, vLLM changed an internal listed in generator/vllm/compat.py: the code in
+    generator/vllm/ that uses it must be re-checked against the new vLLM."""
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.request import LoRARequest
     from vllm.lora.worker_manager import WorkerLoRAManager
 
-    assert check_vllm_compat().startswith("0.")
+    assert check_vllm_compat().startswith(compat.WRITTEN_FOR)
     assert tuple(inspect.signature(WorkerLoRAManager._load_adapter).parameters) == ("self", "lora_request")
     params = inspect.signature(LoRAModel.from_lora_tensors).parameters
     assert list(params)[:4] == ["lora_model_id", "tensors", "peft_helper", "device"]
@@ -42,9 +42,9 @@ def test_compat_check_detects_changed_request_fields():
     class FutureLoRARequest:  # fields renamed in an imagined future vLLM
         __struct_fields__ = ("name", "adapter_id", "path")
 
-    problems = vllm_ext.compat_problems(FutureLoRARequest, LoRAModel, LRUCacheWorkerLoRAManager, PEFTHelper)
+    problems = compat.lora_problems(FutureLoRARequest, LoRAModel, LRUCacheWorkerLoRAManager, PEFTHelper)
     assert any("lora_int_id" in p for p in problems)
-    assert not vllm_ext.compat_problems(type("R", (), {"__struct_fields__": ("lora_name", "lora_int_id",
+    assert not compat.lora_problems(type("R", (), {"__struct_fields__": ("lora_name", "lora_int_id",
                                                                              "lora_path")}),
                                         LoRAModel, LRUCacheWorkerLoRAManager, PEFTHelper)
 
@@ -64,7 +64,7 @@ def test_grouped_cpu_lora_ops_equal_vllms(op, pattern):
         out_ref = torch.zeros(tokens, rank)
         out_new = out_ref.clone()
         ref.bgmv_shrink(x, w, out_ref, indices, 0.5)
-        vllm_ext.bgmv_shrink(x, w, out_new, indices, 0.5)
+        cpu_lora_ops.bgmv_shrink(x, w, out_new, indices, 0.5)
     else:
         x = torch.randn(tokens, rank)
         w = torch.randn(slots, 1, width, rank, dtype=torch.bfloat16)
@@ -72,10 +72,10 @@ def test_grouped_cpu_lora_ops_equal_vllms(op, pattern):
         out_new = out_ref.clone()
         if op == "expand":
             ref.bgmv_expand(x, w, out_ref, indices, True)
-            vllm_ext.bgmv_expand(x, w, out_new, indices, True)
+            cpu_lora_ops.bgmv_expand(x, w, out_new, indices, True)
         else:
             ref.bgmv_expand_slice(x, w, out_ref, indices, 8, width, True)
-            vllm_ext.bgmv_expand_slice(x, w, out_new, indices, 8, width, True)
+            cpu_lora_ops.bgmv_expand_slice(x, w, out_new, indices, 8, width, True)
     torch.testing.assert_close(out_new, out_ref, rtol=1e-2, atol=1e-2)
 
 
@@ -90,16 +90,16 @@ def test_sgmv_ops_explode_per_sequence():
     a, b = torch.zeros(10, 8), torch.zeros(10, 8)
     args = (torch.tensor([0, 3, 8]), seq_lens, lora_idx, 3, 5, 10, 1.0)
     ref.sgmv_shrink(x, w, a, *args)
-    vllm_ext.sgmv_shrink(x, w, b, *args)
+    cpu_lora_ops.sgmv_shrink(x, w, b, *args)
     torch.testing.assert_close(a, b)
 
 
 def test_fast_ops_are_installed_into_vllms_cpu_wrapper():
     import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
 
-    assert vllm_ext.install_fast_cpu_lora_ops()
-    assert punica_cpu.bgmv_shrink is vllm_ext.bgmv_shrink
-    assert punica_cpu.sgmv_expand_slice is vllm_ext.sgmv_expand_slice
+    assert cpu_lora_ops.install_fast_cpu_lora_ops()
+    assert punica_cpu.bgmv_shrink is cpu_lora_ops.bgmv_shrink
+    assert punica_cpu.sgmv_expand_slice is cpu_lora_ops.sgmv_expand_slice
 
 
 class _ClientWithoutQueues:
@@ -113,9 +113,43 @@ class _ClientBase:
 
 
 def test_compat_check_detects_an_engine_client_that_changed():
-    from lora_async.generator.vllm_ext import engine_client_problems
+    from lora_async.generator.vllm.compat import engine_client_problems
     from vllm.v1.engine.core_client import MPClient, SyncMPClient
 
     assert engine_client_problems(SyncMPClient, MPClient) == []
     problems = engine_client_problems(_ClientWithoutQueues, _ClientBase)
     assert any("outputs_queue" in p for p in problems) and any("engine_dead" in p for p in problems)
+
+
+def test_compat_check_detects_a_changed_engine_and_environment():
+    import vllm.envs
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    assert compat.engine_problems(LLMEngine, EngineArgs, vllm.envs) == []
+
+    class FutureEngine:  # an imagined future vLLM: no multiprocessing switch, no engine_core
+        def __init__(self):
+            self.core = None
+
+        @classmethod
+        def from_engine_args(cls, engine_args):
+            raise AssertionError
+
+    class FutureEnvs:
+        environment_variables = {"VLLM_LOGGING_LEVEL": None}
+
+    problems = compat.engine_problems(FutureEngine, EngineArgs, FutureEnvs)
+    assert any("enable_multiprocessing" in p for p in problems)
+    assert any("engine_core" in p for p in problems)
+    assert any("VLLM_ENABLE_V1_MULTIPROCESSING" in p for p in problems)
+
+
+def test_worker_rpc_names_are_the_extensions_methods():
+    """The client calls the worker by the extension's own method names (no string literals)."""
+    from lora_async.generator.vllm import client, worker
+
+    source = inspect.getsource(client.EngineClient)
+    called = {name for name in dir(worker.LoraAsyncWorkerExtension) if name.startswith("lora_async_")}
+    assert called and all(f"Worker.{name}" in source for name in called - {"lora_async_pid"} | {"lora_async_pid"})
+    assert '"lora_async_' not in source and "'lora_async_" not in source

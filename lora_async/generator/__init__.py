@@ -1,5 +1,33 @@
-"""The generator: vLLM serving many adapter versions at once, with in-memory hot-swap."""
+"""The generator: vLLM serving many adapter versions at once.
 
-from .types import AdapterVersion, GenRequest, GenResult, Generator, PublishStats, Sample
+`types` is the contract (`Generator` protocol, requests, typed results, deliveries);
+`engine.VllmGenerator` owns an in-process vLLM engine; `server.ServerGenerator` drives remote
+`vllm serve` replicas; `registry` and `validate` are the bookkeeping and the checks both share;
+`vllm/` is the one place that touches vLLM itself.
+"""
 
-__all__ = ["AdapterVersion", "GenRequest", "GenResult", "Generator", "PublishStats", "Sample"]
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .types import (AdapterVersion, Delivery, GenRequest, GenResult, Generator, GeneratorDead, GeneratorStats,
+                    GenStatus, PublishStats, Sample, generate_async)
+
+__all__ = ["AdapterVersion", "Delivery", "GenRequest", "GenResult", "Generator", "GeneratorDead",
+           "GeneratorStats", "GenStatus", "PublishStats", "Sample", "generate_async", "make_generator"]
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+    from ..placement import Placement
+
+
+def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement") -> Generator:
+    """The generator `[generator]` names: an engine of our own ("vllm"), or remote servers ("server")."""
+    if config.generator.engine_home == "server":
+        from .server import ServerGenerator
+
+        return ServerGenerator.from_config(config, model_dir)
+    from .engine import EngineSpec, VllmGenerator
+
+    return VllmGenerator(EngineSpec.from_config(config, model_dir), placement)

@@ -87,10 +87,13 @@ class VersionRegistry:
         live.in_flight += 1
         return live
 
-    def release(self, live: LiveVersion) -> None:
+    def release(self, live: LiveVersion) -> bool:
+        """One request on `live` ended. True when the version should be retired now (drained
+        and outside the window)."""
         if live.in_flight <= 0:
             raise RegistryError(f"{live.vllm_name}: release without acquire")
         live.in_flight -= 1
+        return live.in_flight == 0 and self.outside_window(live)
 
     # ---- retiring
     def outside_window(self, live: LiveVersion) -> bool:

@@ -1,12 +1,26 @@
-"""What goes into and comes out of a generator, independent of the backend."""
+"""The generator contract: what goes in, what comes out, and the `Generator` protocol every
+backend implements (the in-process vLLM engine, remote servers, test fakes).
+
+Failures are typed: a `GenResult` carries a `GenStatus`, a dead engine raises `GeneratorDead`.
+Nothing downstream reads error texts to decide what happened.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import enum
+import logging
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+
+class GeneratorDead(RuntimeError):
+    """The generator cannot generate or register anything any more (engine died, or closed)."""
 
 
 @dataclass(frozen=True)
@@ -21,7 +35,7 @@ class GenRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
-    tag: object = None  # opaque caller data, returned with the result
+    tag: object = None  # opaque caller data, returned with the result (`abort_older` matches it)
 
 
 @dataclass
@@ -31,17 +45,34 @@ class Sample:
     finish_reason: str  # "stop" | "length" | "abort"
 
 
+class GenStatus(enum.Enum):
+    """How a request ended."""
+
+    OK = "ok"
+    ABORTED_STALE = "aborted_stale"  # cut short by `abort_older`: it could only have been dropped as stale
+    EVICTED = "evicted"  # its version was retired from a full engine while it ran
+    REFUSED = "refused"  # it never started (no published version of its adapter, bad parameters)
+    FAILED = "failed"  # this request failed (e.g. a server replica answered with an error)
+    ENGINE_DEAD = "engine_dead"  # the engine died: nothing more will be generated
+    CLOSED = "closed"  # the generator was closed while the request waited or ran
+
+
 @dataclass
 class GenResult:
     request: GenRequest
     adapter: str | None
     version: int | None  # the adapter version that produced every token of every sample
     samples: list[Sample]
-    error: str | None = None
+    status: GenStatus = GenStatus.OK
+    error: str | None = None  # what went wrong, for people (never parsed)
 
     @property
     def ok(self) -> bool:
-        return self.error is None and all(s.finish_reason != "abort" for s in self.samples)
+        return self.status is GenStatus.OK and all(s.finish_reason != "abort" for s in self.samples)
+
+    @classmethod
+    def failed(cls, request: GenRequest, status: GenStatus, reason: str, version: int | None = None) -> "GenResult":
+        return cls(request, request.adapter, version, [], status, reason)
 
 
 @dataclass(frozen=True)
@@ -54,8 +85,32 @@ class AdapterVersion:
     peft_config: dict = field(default_factory=dict)
 
     @property
+    def name(self) -> str:
+        """The name it is served under: `<adapter>@v<version>` (never reused)."""
+        return f"{self.adapter}@v{self.version}"
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A version on its way into a generator: what a transport hands over.
+
+    `load(receiver, int_id)` runs where the generator registers versions (for vLLM: on the
+    engine thread, between steps, with the typed engine client as receiver; for servers: with
+    the HTTP client). It must leave the receiver holding the version under `int_id`, or raise;
+    then nothing is registered and the live versions keep serving.
+    """
+
+    adapter: str
+    version: int
+    nbytes: int
+    transport: str
+    load: Callable[[Any, int], Any]
+    started: float = field(default_factory=time.perf_counter)  # when the tensors were ready
+    path: str | None = None  # a PEFT directory the engine may reload this version from
 
 
 @dataclass
@@ -75,28 +130,75 @@ class PublishStats:
         return self.ms + self.wait_ms
 
 
-class GeneratorClock:
-    """What every generator backend counts, and the busy share derived from it."""
+class GeneratorStats:
+    """What every generator counts; updated from several threads, so under a lock."""
 
-    def _start_clock(self) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._started_at = time.perf_counter()
-        self.stats = {"requests": 0, "aborted": 0, "tokens": 0, "busy_s": 0.0, "rejected_versions": 0}
+        self.requests = 0
+        self.aborted = 0
+        self.tokens = 0
+        self.busy_s = 0.0  # time the engine spent generating
+        self.rejected_versions = 0
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for key, value in deltas.items():
+                setattr(self, key, getattr(self, key) + value)
 
     def busy_fraction(self) -> float:
         elapsed = time.perf_counter() - self._started_at
-        return self.stats["busy_s"] / elapsed if elapsed > 0 else 0.0
+        return self.busy_s / elapsed if elapsed > 0 else 0.0
 
 
 class Generator(Protocol):
-    """A multi-LoRA generator that serves several versions of each adapter at once."""
+    """A multi-LoRA generator that serves several versions of each adapter at once.
+
+    Versions reach it through a transport (`sync.transports`): the transport calls `validate`,
+    moves the tensors, and hands a `Delivery` to `register`.
+    """
+
+    stats: GeneratorStats
 
     def submit(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
-        """Queue a request; `on_done` runs (on the generator's thread) when it finishes."""
+        """Queue a request; `on_done` runs (on the generator's thread) when it ends, in any way."""
 
-    def publish(self, version: AdapterVersion) -> PublishStats:
-        """Register a new version beside the live ones; blocks until it can be requested."""
+    def validate(self, version: AdapterVersion) -> None:
+        """Refuse a version that cannot be served (AdapterError, RegistryError); counts refusals."""
+
+    def register(self, delivery: Delivery) -> PublishStats:
+        """Register a delivered version beside the live ones; blocks until requests can name it."""
+
+    def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
+        """Stop requests tagged `tag` of `adapter` on versions below `min_version`, without waiting;
+        they end with `GenStatus.ABORTED_STALE`. A backend that cannot abort lets them finish."""
 
     def live_versions(self, adapter: str) -> list[int]:
-        """Versions of `adapter` currently registered in the engine."""
+        """Versions of `adapter` registered right now."""
 
     def close(self) -> None: ...
+
+
+def hand_back(on_done: Callable[[GenResult], None], result: GenResult) -> None:
+    """Give a result to its callback; a callback that raises is logged, and the generator goes on."""
+    try:
+        on_done(result)
+    except Exception:
+        logging.getLogger(__name__).exception("generation callback failed")
+
+
+def generate_async(generator: Generator) -> Callable[[GenRequest], Awaitable[GenResult]]:
+    """Adapt a callback generator (`submit(req, on_done)`) to `await generate(req)`."""
+
+    def generate(request: GenRequest) -> Awaitable[GenResult]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def done(result: GenResult) -> None:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+
+        generator.submit(request, done)
+        return future
+
+    return generate

@@ -6,14 +6,17 @@ fail mid-batch); here each is one clear error and the engine keeps serving what 
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config import ADAPTER_NAME_RE
-from .types import AdapterVersion
+from .registry import VersionRegistry
+from .types import AdapterVersion, GeneratorStats
 
 PEFT_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<ab>lora_A|lora_B)\.weight$")
 
@@ -78,10 +81,26 @@ class StructureCheck:
             self._seen.add(signature)
 
 
-def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """One reduction over all values: amax propagates NaN and Inf (10x faster than isfinite)."""
-    if tensor.numel() and not bool(torch.isfinite(tensor.abs().amax())):
-        raise AdapterError(f"{name}: tensors contain NaN or Inf")
+class VersionCheck:
+    """Everything a version must pass before a transport moves it: a name and a structure the
+    base model and the engine accept (checked once per structure), finite values, and a version
+    newer than the live ones. Every generator runs this in `validate`; a refusal is counted."""
+
+    def __init__(self, shapes: BaseShapes, max_rank: int, registry: VersionRegistry, stats: GeneratorStats,
+                 lock: threading.Lock | threading.RLock | None = None) -> None:
+        self.structure = StructureCheck(shapes, max_rank)
+        self.registry, self.stats = registry, stats
+        self._lock = lock or contextlib.nullcontext()
+
+    def __call__(self, version: AdapterVersion) -> None:
+        try:
+            self.structure(version)
+            with self._lock:
+                self.registry.check_new(version.adapter, version.version)
+            check_finite_all(version.name, list(version.tensors.values()))
+        except Exception:
+            self.stats.add(rejected_versions=1)
+            raise
 
 
 def check_finite_all(name: str, tensors: list[torch.Tensor]) -> None:

@@ -1,0 +1,349 @@
+"""The vLLM multi-LoRA generator: one engine, many live adapter versions, no pauses.
+
+One thread owns the engine (through `vllm.client.EngineClient`). Everything else talks to that
+thread through a queue of commands (closures), which it runs *between* engine steps: a new
+version is registered while requests on older versions keep decoding (a sync is "pack -> hand
+over -> register", never a pause or a restart). Requests report the version they started on;
+the registry counts them in flight and retires versions that are drained and out of the window.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..placement import Placement, pin_current_thread
+from .registry import LiveVersion, VersionRegistry
+from .types import (AdapterVersion, Delivery, GenRequest, GenResult, GeneratorDead, GeneratorStats, GenStatus,
+                    PublishStats, Sample, hand_back)
+from .validate import AdapterError, BaseShapes, VersionCheck
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+    from .vllm.client import EngineClient
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how long the idle engine thread blocks on its queue before re-checking
+STARTUP_TIMEOUT_S = 900.0  # engine start on a slow CPU with a larger model
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's own default: sequences decoded in one batch
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engine needs to start. `from_config` is the one way a run builds it."""
+
+    model_dir: Path
+    adapters: tuple[str, ...]
+    max_staleness: int
+    max_lora_rank: int
+    dtype: str = "bfloat16"
+    memory_fraction: float = 0.2
+    kv_cache_gb: float | None = None
+    max_model_len: int = 1024
+    seed: int = 0
+    fast_cpu_lora: bool = True
+    engine_log: bool = False
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    separate_process: bool = False  # the engine core (and its worker) in a child process
+
+    @classmethod
+    def from_config(cls, config: "TrainConfig", model_dir: Path, *, adapters: tuple[str, ...] | None = None,
+                    max_staleness: int | None = None, max_lora_rank: int | None = None,
+                    separate_process: bool | None = None) -> "EngineSpec":
+        """The engine a run's `[generator]` (type "vllm") describes; evaluation engines override
+        the adapters, the staleness window, the rank and the process."""
+        gen = config.generator
+        return cls(
+            model_dir=Path(model_dir),
+            adapters=tuple(config.adapter_names) if adapters is None else adapters,
+            max_staleness=config.buffer.max_staleness if max_staleness is None else max_staleness,
+            max_lora_rank=config.max_lora_rank if max_lora_rank is None else max_lora_rank,
+            dtype=config.model.dtype, memory_fraction=gen.memory_fraction, kv_cache_gb=gen.kv_cache_gb,
+            max_model_len=gen.max_model_len, seed=config.run.seed, fast_cpu_lora=gen.fast_cpu_lora,
+            engine_log=config.run.engine_log,
+            separate_process=gen.engine_process == "separate" if separate_process is None else separate_process,
+        )
+
+    @property
+    def max_loras(self) -> int:
+        """Adapters in one batch: every live version of every adapter, plus one being published."""
+        return len(self.adapters) * (self.max_staleness + 1) + 1
+
+    @property
+    def max_cpu_loras(self) -> int:
+        """Registered versions: the batch slots plus one draining version per adapter."""
+        return self.max_loras + len(self.adapters)
+
+
+@dataclass
+class _Pending:
+    request: GenRequest
+    on_done: Callable[[GenResult], None]
+    live: LiveVersion | None
+
+
+@dataclass
+class _Command:
+    """Work for the engine thread. `future` gets the result (or the error); `refuse` runs instead
+    when the engine is dead or closing."""
+
+    run: Callable[[], Any]
+    future: Future | None = None
+    refuse: Callable[[GenStatus, str], None] | None = None
+
+
+class VllmGenerator:
+    """An in-process vLLM engine on its own thread (implements `types.Generator`)."""
+
+    def __init__(self, spec: EngineSpec, placement: Placement) -> None:
+        self.spec = spec
+        self.placement = placement
+        self.stats = GeneratorStats()
+        self.registry = VersionRegistry(spec.max_staleness, spec.max_cpu_loras)
+        self.check = VersionCheck(BaseShapes.from_model_dir(spec.model_dir), spec.max_lora_rank, self.registry,
+                                  self.stats)
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()  # None: stop
+        self._pending: dict[str, _Pending] = {}
+        self._ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._client: EngineClient | None = None
+        self._tokenizer: Any = None
+        self._ready: Future = Future()
+        self._thread = threading.Thread(target=self._run, name="lora-async-generator", daemon=True)
+        self._thread.start()
+        self._ready.result(timeout=STARTUP_TIMEOUT_S)
+
+    # ------------------------------------------------------------------ the Generator protocol
+    def submit(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
+        self._check_alive()
+        self._commands.put(_Command(lambda: self._add_request(request, on_done),
+                                    refuse=lambda status, why: on_done(GenResult.failed(request, status, why))))
+
+    def validate(self, version: AdapterVersion) -> None:
+        self.check(version)
+
+    def register(self, delivery: Delivery) -> PublishStats:
+        """Run `delivery.load` on the engine thread between steps; then new requests use it."""
+        self._check_alive()
+        queued = time.perf_counter()
+        return self._call(lambda: self._register(delivery, queued))
+
+    def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
+        if self._dead is None and self._thread.is_alive():
+            self._commands.put(_Command(lambda: self._abort_older(adapter, min_version, tag)))
+
+    def live_versions(self, adapter: str) -> list[int]:
+        return self._call(lambda: self.registry.versions(adapter))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._commands.put(None)
+            self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ more, for tools and tests
+    def publish_dir(self, adapter: str, version: int, path: Path) -> PublishStats:
+        """Register a version that vLLM loads itself from a PEFT directory (eval, benchmarks)."""
+        path = Path(path).resolve()
+        if not (path / "adapter_config.json").is_file():
+            raise AdapterError(f"{path} is not a PEFT adapter directory")
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        name = f"{adapter}@v{version}"
+        return self.register(Delivery(adapter, version, size, "peft-dir",
+                                      lambda client, int_id: client.add_dir(name, int_id, str(path)), path=str(path)))
+
+    def engine_lora_ids(self) -> list[int]:
+        return self.run_in_engine(lambda client: client.lora_ids())
+
+    def lora_slots(self) -> tuple[int, int]:
+        """(max_loras, max_cpu_loras) the running engine really has."""
+        return self.run_in_engine(lambda client: client.lora_slots())
+
+    def in_flight(self) -> int:
+        return self._call(lambda: len(self._pending))
+
+    def run_in_engine(self, fn: Callable[["EngineClient"], Any]) -> Any:
+        """Run fn(engine client) on the engine thread between steps."""
+        return self._call(lambda: fn(self._engine))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def __enter__(self) -> "VllmGenerator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the engine thread
+    @property
+    def _engine(self) -> "EngineClient":
+        assert self._client is not None, "the engine is not running"
+        return self._client
+
+    def _run(self) -> None:
+        from .vllm.client import EngineClient
+
+        try:
+            pin_current_thread(self.placement)
+            self._client = EngineClient.start(self.spec, self.placement)
+            self._tokenizer = self._client.tokenizer()
+        except BaseException as exc:  # surfaced to the constructor
+            self._ready.set_exception(exc)
+            return
+        self._ready.set_result(True)
+        try:
+            while not self._stopping:
+                self._drain_commands(block=not self._engine.busy())
+                if self._engine.busy():
+                    began = time.perf_counter()
+                    finished = self._engine.step()
+                    self.stats.add(busy_s=time.perf_counter() - began)
+                    for request_id, samples in finished:
+                        self._complete(request_id, samples, GenStatus.OK, None)
+        except BaseException as exc:
+            log.error("vLLM engine failed: %s", exc)
+            self._dead = exc
+            self._fail_all(GenStatus.ENGINE_DEAD, f"the vLLM engine failed: {exc}")
+        finally:
+            self._fail_all(GenStatus.CLOSED, "generator closed")
+            self._drain_commands(block=False)
+            try:
+                self._engine.shutdown()
+            except Exception as exc:  # best effort on the way out
+                log.debug("engine shutdown: %s", exc)
+
+    def _drain_commands(self, block: bool) -> None:
+        while True:
+            try:
+                command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if command is None:
+                self._stopping = True
+            elif self._dead is not None or self._stopping:
+                self._refuse(command)
+            else:
+                try:
+                    result = command.run()
+                except BaseException as exc:
+                    if command.future is None:
+                        raise
+                    command.future.set_exception(exc)
+                else:
+                    if command.future is not None:
+                        command.future.set_result(result)
+
+    def _refuse(self, command: _Command) -> None:
+        status = GenStatus.ENGINE_DEAD if self._dead is not None else GenStatus.CLOSED
+        reason = f"the vLLM engine failed: {self._dead}" if self._dead is not None else "generator closed"
+        if command.refuse is not None:
+            command.refuse(status, reason)
+        if command.future is not None:
+            command.future.set_exception(GeneratorDead(reason))
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        future: Future = Future()
+        self._commands.put(_Command(fn, future))
+        return future.result()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise GeneratorDead(f"the vLLM engine failed earlier: {self._dead}")
+        if not self._thread.is_alive():
+            raise GeneratorDead("generator is closed")
+
+    # ---- versions
+    def _register(self, delivery: Delivery, queued: float) -> PublishStats:
+        dequeued = time.perf_counter()
+        registry = self.registry
+        registry.check_new(delivery.adapter, delivery.version)
+        if registry.is_full():
+            self._evict(registry.oldest_outside_window())
+        int_id = registry.reserve_id()  # consumed even if the load fails: ids are never reused
+        try:
+            delivery.load(self._engine, int_id)
+        except Exception:
+            self.stats.add(rejected_versions=1)
+            raise
+        live = registry.add(delivery.adapter, delivery.version, int_id)
+        live.path = delivery.path
+        retired = [self._retire(old) for old in registry.retirable()]
+        done = time.perf_counter()
+        return PublishStats(delivery.adapter, delivery.version, live.vllm_name, int_id, delivery.nbytes,
+                            ms=(done - delivery.started - (dequeued - queued)) * 1000, retired=retired,
+                            wait_ms=(dequeued - queued) * 1000, transport=delivery.transport)
+
+    def _retire(self, live: LiveVersion) -> str:
+        self._engine.remove(live.int_id)
+        self.registry.remove(live)
+        return live.vllm_name
+
+    def _abort_older(self, adapter: str, min_version: int, tag: object) -> None:
+        doomed = [rid for rid, p in self._pending.items() if p.request.tag == tag and p.live is not None
+                  and p.live.adapter == adapter and p.live.version < min_version]
+        self._abort(doomed, GenStatus.ABORTED_STALE, f"aborted: too stale to train (below v{min_version})")
+
+    def _evict(self, live: LiveVersion | None) -> None:
+        """The engine is full: abort what still runs on the oldest out-of-window version."""
+        if live is None:
+            raise RuntimeError("vLLM's LoRA cache is full of versions inside the staleness window; "
+                               "this is a sizing bug (EngineSpec.max_cpu_loras)")
+        doomed = [rid for rid, p in self._pending.items() if p.live is live]
+        self._abort(doomed, GenStatus.EVICTED, "aborted: its version fell out of the staleness window")
+        self._retire(live)
+
+    def _abort(self, request_ids: list[str], status: GenStatus, reason: str) -> None:
+        if request_ids:
+            self._engine.abort(request_ids)
+            self.stats.add(aborted=len(request_ids))
+        for request_id in request_ids:
+            self._complete(request_id, [], status, reason)
+
+    # ---- requests
+    def _add_request(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
+        from .vllm.client import LoraRef
+
+        live = None
+        request_id = f"r{next(self._ids)}"
+        try:
+            lora = None
+            if request.adapter is not None:
+                live = self.registry.acquire(request.adapter)
+                # The path is never read while the version is live (we never let vLLM evict
+                # it); if it ever were, a missing path fails loudly instead of serving stale.
+                lora = LoraRef(live.vllm_name, live.int_id, live.path or f"lora-async://{live.vllm_name}")
+            self._pending[request_id] = _Pending(request, on_done, live)
+            self._engine.add_request(request_id, request, lora)
+            self.stats.add(requests=1)
+        except Exception as exc:
+            if live is not None:
+                self.registry.release(live)
+            self._pending.pop(request_id, None)
+            on_done(GenResult.failed(request, GenStatus.REFUSED, f"refused: {exc}"))
+
+    def _complete(self, request_id: str, samples: list[Sample], status: GenStatus, error: str | None) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return
+        live = pending.live
+        if live is not None and self.registry.release(live) and self._dead is None:
+            self._retire(live)
+        self.stats.add(tokens=sum(len(s.token_ids) for s in samples))
+        hand_back(pending.on_done, GenResult(pending.request, pending.request.adapter,
+                                             live.version if live else None, samples, status, error))
+
+    def _fail_all(self, status: GenStatus, reason: str) -> None:
+        for request_id in list(self._pending):
+            pending = self._pending.pop(request_id)
+            hand_back(pending.on_done, GenResult.failed(pending.request, status, reason))

@@ -1,0 +1,179 @@
+"""`ServerGenerator`: generation on remote OpenAI-compatible `vllm serve` replicas.
+
+Same contract as the in-process engine (`types.Generator`): requests name an adapter and come
+back with the version that produced them, token ids and per-token sampling logprobs. Versions
+are served under `<name>@v<k>`: the `http` transport writes each one as a PEFT directory and its
+delivery loads it on every replica through this generator's `ServerClient`; a version is
+unloaded everywhere once it is drained and out of the staleness window. Requests go to the
+replicas in turn. A remote request cannot be aborted: `abort_older` lets it finish (the buffer
+then drops its group as stale).
+
+Start the servers with `lora-async server MODEL` (runtime LoRA loading, processed logprobs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..registry import LiveVersion, VersionRegistry
+from ..types import (AdapterVersion, Delivery, GenRequest, GenResult, GeneratorStats, GenStatus, PublishStats,
+                     Sample, hand_back)
+from ..validate import BaseShapes, VersionCheck
+from .client import ServerClient, ServerError
+
+
+MAX_CONCURRENT_REQUESTS = 64  # HTTP requests in flight across all replicas
+REGISTRY_CAPACITY = 1 << 20  # the servers size their own LoRA caches and reload from the directory
+
+
+class ServerGenerator:
+    def __init__(self, client: ServerClient, model_dir: Path, max_staleness: int, max_lora_rank: int,
+                 request_timeout_s: float = 600.0) -> None:
+        from transformers import AutoTokenizer
+
+        self.client = client
+        self.request_timeout_s = request_timeout_s
+        self.stats = GeneratorStats()
+        self.registry = VersionRegistry(max_staleness, REGISTRY_CAPACITY)
+        self._lock = threading.RLock()  # the registry and the busy clock, shared by request threads
+        self.check = VersionCheck(BaseShapes.from_model_dir(model_dir), max_lora_rank, self.registry, self.stats,
+                                  self._lock)
+        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self._replicas = itertools.cycle(client.urls)
+        self._pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, "lora-async-http")
+        self._closed = False
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self.base_model = self._check_servers()
+
+    @classmethod
+    def from_config(cls, config: Any, model_dir: Path) -> "ServerGenerator":
+        """The generator a run's `[generator]` (type "server") describes."""
+        gen = config.generator
+        return cls(ServerClient(gen.urls, gen.api_key), model_dir, config.buffer.max_staleness,
+                   config.max_lora_rank, gen.request_timeout_s)
+
+    def _check_servers(self) -> str:
+        """Every replica answers /v1/models and serves the same base model; returns its name."""
+        names = set()
+        for url in self.client.urls:
+            try:
+                models = self.client.served(url)
+            except (ServerError, KeyError, ValueError) as exc:
+                raise ServerError(f"vLLM server {url} is not reachable: {exc}") from exc
+            names.add(next(m["id"] for m in models if not m.get("parent")))
+        if len(names) != 1:
+            raise ServerError(f"the servers serve different base models: {sorted(names)}")
+        return names.pop()
+
+    # ---------------------------------------------------------------- the Generator protocol
+    def submit(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
+        if self._closed:
+            on_done(GenResult.failed(request, GenStatus.CLOSED, "generator closed"))
+            return
+        with self._lock:
+            try:
+                live = self.registry.acquire(request.adapter) if request.adapter is not None else None
+            except Exception as exc:
+                on_done(GenResult.failed(request, GenStatus.REFUSED, f"refused: {exc}"))
+                return
+            url = next(self._replicas)
+            if self._in_flight == 0:
+                self._busy_since = time.perf_counter()
+            self._in_flight += 1
+        self.stats.add(requests=1)
+        self._pool.submit(self._run_request, url, request, live, on_done)
+
+    def validate(self, version: AdapterVersion) -> None:
+        self.check(version)
+
+    def register(self, delivery: Delivery) -> PublishStats:
+        """Load a delivered version on every replica (`delivery.load(client, int_id)`)."""
+        with self._lock:
+            self.registry.check_new(delivery.adapter, delivery.version)
+            int_id = self.registry.reserve_id()
+        try:
+            delivery.load(self.client, int_id)
+        except Exception:
+            self.stats.add(rejected_versions=1)
+            raise
+        with self._lock:
+            live = self.registry.add(delivery.adapter, delivery.version, int_id)
+            live.path = delivery.path
+            retired = [self._retire(old) for old in self.registry.retirable()]
+        return PublishStats(delivery.adapter, delivery.version, live.vllm_name, int_id, delivery.nbytes,
+                            (time.perf_counter() - delivery.started) * 1000, retired,
+                            transport=delivery.transport)
+
+    def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
+        """HTTP requests in flight cannot be cut short; they finish and their groups are dropped."""
+
+    def live_versions(self, adapter: str) -> list[int]:
+        with self._lock:
+            return self.registry.versions(adapter)
+
+    def close(self) -> None:
+        """Wait for requests in flight, then unload every version this run loaded."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            for live in self.registry.all_live():
+                self._retire(live)
+        self.client.close()
+
+    # ---------------------------------------------------------------- more
+    def served_names(self) -> list[list[str]]:
+        """What every replica lists as loaded adapters (ground truth, for checks)."""
+        return [sorted(m["id"] for m in self.client.served(url) if m.get("parent")) for url in self.client.urls]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def __enter__(self) -> "ServerGenerator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- internals
+    def _run_request(self, url: str, request: GenRequest, live: LiveVersion | None,
+                     on_done: Callable[[GenResult], None]) -> None:
+        payload = {"model": live.vllm_name if live is not None else self.base_model,
+                   "prompt": list(request.prompt_ids), "n": request.n, "max_tokens": request.max_tokens,
+                   "min_tokens": request.min_tokens, "temperature": request.temperature, "top_p": request.top_p,
+                   "logprobs": 0, "return_token_ids": True}
+        if request.seed is not None:
+            payload["seed"] = request.seed
+        samples: list[Sample] = []
+        status, error = GenStatus.OK, None
+        try:
+            body = self.client.post(url, "/v1/completions", payload, retry=False,
+                                    timeout_s=self.request_timeout_s).json()
+            for choice in sorted(body["choices"], key=lambda c: c["index"]):
+                ids = list(choice["token_ids"])
+                logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+                samples.append(Sample(ids, logprobs, choice.get("finish_reason") or "stop"))
+        except (ServerError, KeyError, TypeError, ValueError) as exc:
+            status, error, samples = GenStatus.FAILED, f"server {url}: {exc}", []
+        self.stats.add(tokens=sum(len(s.token_ids) for s in samples))
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.stats.add(busy_s=time.perf_counter() - self._busy_since)
+            if live is not None and self.registry.release(live) and not self._closed:
+                self._retire(live)
+        hand_back(on_done, GenResult(request, request.adapter, live.version if live is not None else None, samples,
+                                     status, error))
+
+    def _retire(self, live: LiveVersion) -> str:
+        self.registry.remove(live)
+        self.client.unload(live.vllm_name)
+        return live.vllm_name

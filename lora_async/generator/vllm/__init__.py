@@ -1,0 +1,3 @@
+"""Everything that touches vLLM itself: `compat` (every internal used, checked for one vLLM
+version), `worker` (the extension mixed into vLLM's worker), `client` (the typed handle the
+generator drives the engine through) and `cpu_lora_ops` (faster CPU LoRA kernels)."""

@@ -1,0 +1,204 @@
+"""`EngineClient`: lora-async's one handle on a vLLM engine.
+
+It starts the engine (in this process, or its core in a child process), submits and steps
+requests, and calls lora-async's worker extension (`worker.py`) through typed methods: the RPC
+names come from the extension's own methods, so a rename fails at import, not at run time.
+Used only from the generator's engine thread (`engine.VllmGenerator`), which owns it.
+
+Errors are typed on the way out: a dead engine process becomes `GeneratorDead`, a transfer the
+worker refused becomes `PackError` (the worker replies with data, see worker.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from ...placement import format_cpus
+from ...sync.pack import PackError
+from ..types import GenRequest, GeneratorDead, Sample
+from . import compat
+from .worker import LoraAsyncWorkerExtension as Worker
+
+if TYPE_CHECKING:
+    from ...placement import Placement
+    from ..engine import EngineSpec
+
+EXTENSION = f"{Worker.__module__}.{Worker.__qualname__}"
+WATCH_POLL_S = 0.5  # how often the dead-engine watch looks at vLLM's flag
+
+
+@dataclass(frozen=True)
+class LoraRef:
+    """A live version as a request names it."""
+
+    name: str
+    int_id: int
+    path: str
+
+
+class EngineClient:
+    def __init__(self, engine: Any, watch_stop: threading.Event | None = None) -> None:
+        self.engine = engine  # vLLM's LLMEngine (tests and benchmarks may reach it directly)
+        self._watch_stop = watch_stop
+        self._dead_error = compat.engine_dead_error()
+
+    @classmethod
+    def start(cls, spec: "EngineSpec", placement: "Placement") -> "EngineClient":
+        """Build the engine `spec` describes on `placement`; checks vLLM's internals first."""
+        on_cpu = placement.device == "cpu"
+        bind = format_cpus(placement.cpus) if spec.separate_process and on_cpu and placement.cpus else None
+        compat.configure_environment(spec.engine_log, bind)
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from .cpu_lora_ops import install_fast_cpu_lora_ops
+
+        compat.check_vllm_compat()
+        if on_cpu and spec.fast_cpu_lora and not spec.separate_process:
+            install_fast_cpu_lora_ops()
+        args = EngineArgs(
+            model=str(spec.model_dir), dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len,
+            max_num_seqs=spec.max_num_seqs, enable_lora=True, max_loras=spec.max_loras,
+            max_cpu_loras=spec.max_cpu_loras, max_lora_rank=spec.max_lora_rank,
+            gpu_memory_utilization=spec.memory_fraction,
+            kv_cache_memory_bytes=int(spec.kv_cache_gb * (1 << 30)) if spec.kv_cache_gb else None,
+            worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs", disable_log_stats=True,
+            use_tqdm_on_load=spec.engine_log,  # "Loading safetensors checkpoint shards" only when asked
+        )
+        engine = LLMEngine.from_engine_args(args, enable_multiprocessing=spec.separate_process)
+        watch_stop = None
+        if spec.separate_process:
+            watch_stop = threading.Event()
+            watch_engine_core(engine, watch_stop)
+        client = cls(engine, watch_stop)
+        if spec.separate_process and on_cpu and spec.fast_cpu_lora:
+            client._rpc(Worker.lora_async_install_fast_ops)
+        return client
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, request: GenRequest, lora: LoraRef | None) -> None:
+        from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(n=request.n, max_tokens=request.max_tokens, min_tokens=request.min_tokens,
+                                temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+                                logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        lora_request = LoRARequest(lora.name, lora.int_id, lora.path) if lora is not None else None
+        self.engine.add_request(request_id, {"prompt_token_ids": list(request.prompt_ids)}, params,
+                                lora_request=lora_request)
+
+    def step(self) -> list[tuple[str, list[Sample]]]:
+        """One engine step; the requests it finished, with their samples."""
+        finished = []
+        for output in self.engine.step():
+            if not output.finished:
+                continue
+            samples = []
+            for completion in output.outputs:
+                ids = list(completion.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(completion.logprobs or [], ids)]
+                samples.append(Sample(ids, logprobs, completion.finish_reason or "stop"))
+            finished.append((output.request_id, samples))
+        return finished
+
+    def busy(self) -> bool:
+        return bool(self.engine.has_unfinished_requests())
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.engine.abort_request(request_ids)
+
+    def tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    # ---------------------------------------------------------------- adapters (worker extension)
+    def add_tensors(self, int_id: int, tensors: dict, peft_config: dict) -> None:
+        self._registered(self._rpc(Worker.lora_async_add_tensors, int_id, tensors, peft_config))
+
+    def add_shm(self, int_id: int, segment: str, meta: dict) -> None:
+        self._registered(self._rpc(Worker.lora_async_add_shm, int_id, segment, meta))
+
+    def add_ipc(self, int_id: int, handle: bytes, meta: dict) -> None:
+        self._registered(self._rpc(Worker.lora_async_add_ipc, int_id, handle, meta))
+
+    def join_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> list[int]:
+        return self._rpc(Worker.lora_async_join_group, host, port, world_size, backend, timeout_s)
+
+    def add_broadcast(self, int_id: int, meta: dict) -> None:
+        self._registered(self._rpc(Worker.lora_async_add_broadcast, int_id, meta))
+
+    def add_dir(self, name: str, int_id: int, path: str) -> None:
+        """Let vLLM load a PEFT directory itself (its own loader, as `vllm serve` would)."""
+        from vllm.lora.request import LoRARequest
+
+        self.engine.add_lora(LoRARequest(name, int_id, path))
+
+    def remove(self, int_id: int) -> None:
+        self._rpc(Worker.lora_async_remove, int_id)
+
+    def lora_ids(self) -> list[int]:
+        """The int ids the (first) worker holds registered: ground truth, not our registry."""
+        return self._rpc(Worker.lora_async_list)[0]
+
+    def workers(self) -> int:
+        return len(self._rpc(Worker.lora_async_list))
+
+    def worker_pids(self) -> list[int]:
+        return self._rpc(Worker.lora_async_pid)
+
+    def load_base_weights(self, state_dict: dict) -> int:
+        return self._rpc(Worker.lora_async_load_base_weights, state_dict)[0]
+
+    def lora_slots(self) -> tuple[int, int]:
+        """(max_loras, max_cpu_loras) the engine was built with."""
+        return compat.lora_slots(self.engine)
+
+    def shutdown(self) -> None:
+        if self._watch_stop is not None:
+            self._watch_stop.set()
+        compat.shutdown_engine(self.engine)
+
+    # ---------------------------------------------------------------- plumbing
+    def _rpc(self, method: Callable[..., Any], *args: Any) -> list:
+        try:
+            return self.engine.collective_rpc(method.__name__, args=args)
+        except self._dead_error as exc:
+            raise GeneratorDead(f"the vLLM engine died: {exc}") from exc
+
+    @staticmethod
+    def _registered(replies: list[dict]) -> None:
+        refused = [reply["rejected"] for reply in replies if "rejected" in reply]
+        if refused:
+            raise PackError(refused[0])
+
+
+def watch_engine_core(engine: Any, stopped: threading.Event) -> threading.Thread:
+    """Unblock the engine's callers when vLLM's engine-core process dies (multiprocess mode).
+
+    Why: vLLM 0.32's `SyncMPClient` notices a dead engine core (its monitor thread sets
+    `resources.engine_dead`) but leaves `get_output()` blocked on its queue and utility calls
+    (`collective_rpc`) waiting on their futures forever. This thread waits for that flag, then
+    puts an `EngineDeadError` on the output queue and fails the pending utility futures, so
+    `step()` and the RPCs raise. It ends when `stopped` is set.
+    """
+    dead_error = compat.engine_dead_error()
+    core = engine.engine_core
+    missing = [a for a in compat.REQUIRED_CLIENT_ATTRS if not hasattr(core, a)]
+    if missing or not hasattr(core.resources, "engine_dead"):
+        raise compat.VllmCompatError(f"vLLM's {type(core).__name__} no longer has "
+                                     f"{missing or ['resources.engine_dead']}: a dead engine would go unnoticed")
+
+    def watch() -> None:
+        while not stopped.wait(WATCH_POLL_S):
+            if core.resources.engine_dead:
+                core.outputs_queue.put_nowait(dead_error())
+                for future in list(core.utility_results.values()):
+                    if not future.done():
+                        future.set_exception(dead_error())
+                return
+
+    thread = threading.Thread(target=watch, name="lora-async-engine-watch", daemon=True)
+    thread.start()
+    return thread

