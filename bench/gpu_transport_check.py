@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lora_async.generator.types import AdapterVersion  # noqa: E402
 from lora_async.sync.pack import layout, pack  # noqa: E402
-from lora_async.sync.receive import CollectiveReceiver, broadcast, make_group, receive_ipc  # noqa: E402
+from lora_async.sync.receive import CollectiveReceiver, broadcast, make_group, make_store, receive_ipc  # noqa: E402
 
 HIDDEN, INTER, LAYERS, RANK, REPS = 576, 1536, 30, 8, 20
 SHAPES = {"q_proj": (HIDDEN, HIDDEN), "k_proj": (192, HIDDEN), "v_proj": (192, HIDDEN), "o_proj": (HIDDEN, HIDDEN),
@@ -63,10 +63,10 @@ def receiver(kind: str, port: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
 def run(kind: str) -> dict:
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    port = 29600 + (kind == "nccl")
-    child = ctx.Process(target=receiver, args=(kind, port, inbox, outbox))
+    store = make_store("127.0.0.1", 0, 2, True, 60) if kind == "nccl" else None  # port 0: a free one
+    child = ctx.Process(target=receiver, args=(kind, store.port if store else 0, inbox, outbox))
     child.start()
-    group = make_group("127.0.0.1", port, 0, 2, "nccl", 60) if kind == "nccl" else None
+    group = make_group(store, 0, 2, "nccl", 60) if store is not None else None
     totals, recv, oks = [], [], []
     buffer = None
     for version in range(REPS):

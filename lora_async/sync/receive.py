@@ -74,7 +74,8 @@ class CollectiveReceiver:
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str,
                  timeout_s: float, device: str = "cpu") -> None:
         self.rank, self.device = rank, device
-        self.group = make_group(host, port, rank, world_size, backend, timeout_s)
+        store = make_store(host, port, world_size, False, timeout_s)
+        self.group = make_group(store, rank, world_size, backend, timeout_s)
 
     def receive(self, meta: dict) -> dict[str, torch.Tensor]:
         buffer = torch.empty(int(meta["nbytes"]), dtype=torch.uint8, device=self.device)
@@ -84,12 +85,20 @@ class CollectiveReceiver:
         return _owned(meta, buffer)
 
 
-def make_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
+def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> Any:
+    """The rendezvous store of a dedicated group. The sender is the master and may pass port 0
+    (the store then binds a free port: `store.port`); it does not wait for the others here."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, world_size, is_master=is_master, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def make_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
     """A process group of its own (not torch's default group, which vLLM's workers use)."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
     store = dist.PrefixStore(GROUP_PREFIX, store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)

@@ -1,34 +1,43 @@
-"""Transports: how a new adapter version gets from the learner into the vLLM engine.
+"""Transports: how a new adapter version gets from the learner into the generator.
 
-Each transport is a small class behind `Transport`; `make_transport` picks one from the run's
-`sync` config. All of them end in the same place: the generator registers the version under a
-fresh int id beside the live ones (`VllmGenerator.register`), so generation never pauses.
+Each transport is a small sender behind `Transport`. It checks the version with the generator
+(`validate`), moves the tensors its way, and hands the generator one `Delivery`, whose `load`
+runs where the generator registers versions (`Generator.register`): the version lands under a
+fresh int id beside the live ones, so generation never pauses. `make_transport` picks the
+sender from the run's `[sync]` config (a union on `transport`).
 
-| transport  | engine                           | what moves                                   |
-|------------|----------------------------------|----------------------------------------------|
-| `inproc`   | in this process                  | owned tensors, handed over by reference      |
-| `shm`      | own process, same host           | packed buffer in a POSIX shared-memory segment |
-| `nccl`     | own process(es), any local device | one broadcast over a dedicated process group (`gloo` on CPU) |
-| `cuda-ipc` | own process, same host's GPUs    | a CUDA IPC handle to the learner's packed buffer |
-| `http`     | remote `vllm serve` replicas     | a PEFT directory + `/v1/load_lora_adapter` (generator/server.py) |
+| transport  | engine                            | what moves                                             |
+|------------|-----------------------------------|--------------------------------------------------------|
+| `inproc`   | in this process                   | owned tensors, handed over by reference                |
+| `shm`      | own process, same host            | packed buffer in a POSIX shared-memory segment         |
+| `nccl`     | own process(es), any local device | one broadcast over a dedicated group (`gloo` on CPU): collective.py |
+| `cuda-ipc` | own process, same host's GPUs     | a CUDA IPC handle to the learner's packed buffer       |
+| `http`     | remote `vllm serve` replicas      | a PEFT directory, loaded on every replica: http.py     |
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import pickle
-import socket
 import threading
 import time
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
-from ..generator.types import AdapterVersion, PublishStats
-from .pack import PackedAdapter, PackError, TensorMeta, layout, pack
+from ..dtypes import torch_dtype
+from ..generator.types import AdapterVersion, Delivery, PublishStats
+from .pack import PackedAdapter, TensorMeta, layout, pack
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+    from ..generator.engine import VllmGenerator
+    from ..generator.types import Generator
 
 log = logging.getLogger(__name__)
+
+BUFFER_HEADROOM = 5 / 4  # a reused packing buffer grows to 1.25x what it must hold (fewer regrowths)
 
 
 class TransportError(RuntimeError):
@@ -44,48 +53,60 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+Loader = Callable[[Any, int], Any]
+
+
 class InprocTransport:
-    """The engine lives in this process: hand over owned tensors (the foundation's path)."""
+    """The engine lives in this process: hand over tensors vLLM may own.
+
+    vLLM keeps (and scales in place) the tensors it is given, so it must get copies: tensors in
+    another dtype than the serving one are cast by vLLM into fresh tensors; tensors already in
+    the serving dtype are packed into a fresh buffer first."""
 
     name = "inproc"
 
-    def __init__(self, generator: Any) -> None:
-        self.generator = generator
+    def __init__(self, generator: "VllmGenerator", dtype: str) -> None:
+        if generator.spec.separate_process:
+            raise TransportError("the engine runs in its own process: in-process tensors cannot reach it "
+                                 "(use sync.transport 'shm', 'nccl' or 'cuda-ipc')")
+        self.generator, self.dtype = generator, torch_dtype(dtype)
 
     def publish(self, version: AdapterVersion) -> PublishStats:
-        stats = self.generator.publish(version)
-        stats.transport = self.name
-        return stats
+        started = time.perf_counter()
+        self.generator.validate(version)
+        if all(t.dtype != self.dtype for t in version.tensors.values()):
+            tensors, nbytes = version.tensors, version.nbytes
+        else:
+            packed = pack(version, self.dtype)
+            assert packed.views is not None
+            tensors, nbytes = packed.views, packed.nbytes
+        config = version.peft_config
+        return self.generator.register(Delivery(
+            version.adapter, version.version, nbytes, self.name,
+            lambda client, int_id: client.add_tensors(int_id, tensors, config), started))
 
     def close(self) -> None:
         pass
 
 
-class HttpTransport(InprocTransport):
-    """Remote `vllm serve` replicas: the server generator writes the PEFT directory and loads
-    it on every replica itself (`generator.server.ServerGenerator.publish`)."""
+class PackingTransport:
+    """Shared by the cross-process transports: validate, pack into a reused buffer, deliver.
 
-    name = "http"
-
-
-class _PackingTransport:
-    """Shared by the cross-process transports: validate, pack into a reused buffer, register.
-
-    One publish at a time (a lock): the packed buffer is reused, and a collective must see
-    its broadcasts in the same order on every rank.
-    """
+    One publish at a time (a lock): the packed buffer is reused, and a collective must see its
+    broadcasts in the same order on every rank. A transport that failed mid-transfer refuses
+    further use (`_broken`): its receivers' state is unknown."""
 
     name = "?"
+    device = "cpu"  # where the packing buffer lives
 
-    def __init__(self, generator: Any, checksum: bool, timeout_s: float) -> None:
+    def __init__(self, generator: "VllmGenerator", dtype: str, checksum: bool, timeout_s: float) -> None:
         self.generator = generator
+        self.dtype = torch_dtype(dtype)
         self.checksum = checksum
         self.timeout_s = timeout_s
-        self.dtype = _torch_dtype(generator.spec.dtype)
         self._lock = threading.Lock()
         self._layouts: dict[tuple, list[TensorMeta]] = {}
         self._broken: str | None = None
-        self.device = "cpu"
         self._storage: torch.Tensor | None = None
 
     def publish(self, version: AdapterVersion) -> PublishStats:
@@ -95,17 +116,13 @@ class _PackingTransport:
         self.generator.validate(version)
         with self._lock:
             metas = self._layout(version)
-            end = metas[-1].offset + metas[-1].nbytes if metas else 0
-            out = self._buffer(end)
+            out = self._buffer(metas[-1].offset + metas[-1].nbytes if metas else 0)
             # blake3 reads host memory; device buffers (nccl, cuda-ipc) go unchecksummed
             packed = pack(version, self.dtype, with_checksum=self.checksum and out.device.type == "cpu",
                           out=out, metas=metas)
             packed.views = None  # the receiver makes its own copy; drop our views of the buffer
-            meta = packed.meta()
-            stats = self.generator.register(version.adapter, version.version, packed.nbytes,
-                                            _recognising_rejections(self._loader(packed, meta)), started)
-        stats.transport = self.name
-        return stats
+            return self.generator.register(Delivery(version.adapter, version.version, packed.nbytes, self.name,
+                                                    self._loader(packed, packed.meta()), started))
 
     def _layout(self, version: AdapterVersion) -> list[TensorMeta]:
         key = tuple((k, tuple(t.shape)) for k, t in version.tensors.items())
@@ -116,24 +133,24 @@ class _PackingTransport:
     def _buffer(self, nbytes: int) -> torch.Tensor:
         """The reused packing buffer on `self.device`, grown with headroom when too small."""
         if self._storage is None or self._storage.numel() < nbytes:
-            self._storage = torch.empty(nbytes * 5 // 4 + 4096, dtype=torch.uint8, device=self.device)
+            self._storage = torch.empty(int(nbytes * BUFFER_HEADROOM) + 4096, dtype=torch.uint8, device=self.device)
         return self._storage[:nbytes]
 
-    def _loader(self, packed: PackedAdapter, meta: dict) -> Any:
+    def _loader(self, packed: PackedAdapter, meta: dict) -> Loader:
         raise NotImplementedError
 
     def close(self) -> None:
         pass
 
 
-class ShmTransport(_PackingTransport):
-    """POSIX shared memory: the learner packs straight into a segment it owns; the worker
-    (in vLLM's engine process) copies out of it once. The segment is reused and grown."""
+class ShmTransport(PackingTransport):
+    """POSIX shared memory: the learner packs straight into a segment it owns; the worker (in
+    vLLM's engine process) copies out of it once. The segment is reused and grown."""
 
     name = "shm"
 
-    def __init__(self, generator: Any, checksum: bool = True, timeout_s: float = 60.0) -> None:
-        super().__init__(generator, checksum, timeout_s)
+    def __init__(self, generator: "VllmGenerator", dtype: str, checksum: bool = True, timeout_s: float = 60.0) -> None:
+        super().__init__(generator, dtype, checksum, timeout_s)
         self._segment: Any = None
         self._tensor: torch.Tensor | None = None
 
@@ -142,18 +159,14 @@ class ShmTransport(_PackingTransport):
 
         if self._segment is None or self._segment.size < nbytes:
             self._release()
-            self._segment = shared_memory.SharedMemory(create=True, size=max(nbytes, 1) * 5 // 4 + 4096)
+            self._segment = shared_memory.SharedMemory(create=True, size=int(max(nbytes, 1) * BUFFER_HEADROOM) + 4096)
             self._tensor = torch.frombuffer(self._segment.buf, dtype=torch.uint8)
         assert self._tensor is not None
         return self._tensor[:nbytes]
 
-    def _loader(self, packed: PackedAdapter, meta: dict) -> Any:
-        segment = self._segment.name
-        del packed  # only the segment's name and the metadata cross the process boundary
-
-        def load(engine: Any, int_id: int) -> Any:
-            return engine.collective_rpc("lora_async_add_shm", args=(int_id, segment, meta))
-        return load
+    def _loader(self, packed: PackedAdapter, meta: dict) -> Loader:
+        segment = self._segment.name  # only the segment's name and the metadata cross over
+        return lambda client, int_id: client.add_shm(int_id, segment, meta)
 
     def _release(self) -> None:
         if self._segment is not None:
@@ -170,122 +183,48 @@ class ShmTransport(_PackingTransport):
             self._release()
 
 
-class CollectiveTransport(_PackingTransport):
-    """One broadcast of the packed buffer over a process group of our own: rank 0 is the
-    learner, ranks 1.. are vLLM's workers (each joins through the worker extension).
-    `backend='nccl'` between GPUs; `backend='gloo'` runs the same code on CPU."""
-
-    def __init__(self, generator: Any, backend: str = "nccl", device: str = "cpu", checksum: bool = True,
-                 timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
-        if backend == "nccl" and (not device.startswith("cuda") or not torch.cuda.is_available()):
-            raise TransportError("sync.backend 'nccl' needs the learner on a GPU (learner.device = 'cuda:N'); "
-                                 "use sync.backend = 'gloo' on CPU")
-        super().__init__(generator, checksum, timeout_s)
-        from .receive import make_group
-
-        self.name = "nccl" if backend == "nccl" else "gloo"
-        self.backend = backend
-        self.device = device if backend == "nccl" else "cpu"
-        workers = len(generator.run_in_engine(lambda engine: engine.collective_rpc("lora_async_list")))
-        world = 1 + workers
-        port = free_port(host)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(generator.run_in_engine, lambda engine: engine.collective_rpc(
-                "lora_async_join_group", args=(host, port, world, backend, timeout_s)))
-            try:
-                self.group = make_group(host, port, 0, world, backend, timeout_s)
-                ranks = joined.result(timeout=timeout_s)
-            except Exception as exc:
-                raise TransportError(f"vLLM's workers did not join the {backend} group within "
-                                     f"{timeout_s:.0f} s: {exc}") from exc
-        log.info("%s group up: learner rank 0, workers %s", backend, ranks)
-
-    def _loader(self, packed: PackedAdapter, meta: dict) -> Any:
-        from .receive import broadcast
-
-        buffer = packed.buffer
-
-        def load(engine: Any, int_id: int) -> Any:
-            outcome: dict[str, BaseException] = {}
-
-            def send() -> None:
-                try:
-                    broadcast(self.group, buffer)
-                except BaseException as exc:  # noqa: BLE001 - reported below
-                    outcome["error"] = exc
-
-            sender = threading.Thread(target=send, name="lora-async-broadcast", daemon=True)
-            sender.start()
-            try:
-                return engine.collective_rpc("lora_async_add_broadcast", args=(int_id, meta))
-            finally:
-                sender.join(self.timeout_s + 5)
-                if sender.is_alive() or "error" in outcome:
-                    self._broken = f"broadcast of {meta['adapter']}@v{meta['version']} did not complete"
-                    raise TransportError(
-                        f"{self.name}: the receiver did not take {meta['adapter']}@v{meta['version']} within "
-                        f"{self.timeout_s:.0f} s ({outcome.get('error', 'no answer')})")
-        return load
-
-
-class CudaIpcTransport(_PackingTransport):
-    """The learner's packed buffer on its GPU, shared by a CUDA IPC handle; the worker copies
-    it once. The buffer stays alive (and unchanged: one publish at a time) until it has."""
+class CudaIpcTransport(PackingTransport):
+    """The learner's packed buffer on its GPU, shared by a CUDA IPC handle; the worker copies it
+    once. The buffer stays alive (and unchanged: one publish at a time) until it has."""
 
     name = "cuda-ipc"
 
-    def __init__(self, generator: Any, device: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, generator: "VllmGenerator", dtype: str, device: str, timeout_s: float = 60.0) -> None:
         if not device.startswith("cuda") or not torch.cuda.is_available():
             raise TransportError("cuda-ipc needs the learner on a CUDA device (learner.device = 'cuda:N')")
-        super().__init__(generator, False, timeout_s)
+        super().__init__(generator, dtype, False, timeout_s)
         self.device = device
 
-    def _loader(self, packed: PackedAdapter, meta: dict) -> Any:
+    def _loader(self, packed: PackedAdapter, meta: dict) -> Loader:
         from torch.multiprocessing.reductions import reduce_tensor
 
         torch.cuda.current_stream(packed.buffer.device).synchronize()  # packed before shared
         handle = pickle.dumps(reduce_tensor(packed.buffer))
-
-        def load(engine: Any, int_id: int) -> Any:
-            return engine.collective_rpc("lora_async_add_ipc", args=(int_id, handle, meta))
-        return load
+        return lambda client, int_id: client.add_ipc(int_id, handle, meta)
 
 
-def _recognising_rejections(load: Any) -> Any:
-    """A refusal inside vLLM's worker (checksum, truncation) arrives as plain text: make it a
-    PackError again, so the run counts it as one rejected version instead of failing."""
+def make_transport(config: "TrainConfig", generator: "Generator", learner_device: str, out_dir: Path) -> Transport:
+    """The sender the run's `[sync]` names (or the default for its generator), bound to `generator`.
 
-    def wrapped(engine: Any, int_id: int) -> Any:
-        try:
-            return load(engine, int_id)
-        except PackError:
-            raise
-        except Exception as exc:
-            raise PackError.from_remote(exc) from exc
-    return wrapped
+    The config validated that the transport fits the generator (`needs` vs `engine_home`)."""
+    from ..config import CudaIpcSync, HttpSync, InprocSync, NcclSync, ShmSync
 
+    sync, dtype = config.sync_config, config.model.dtype
+    match sync:
+        case InprocSync():
+            return InprocTransport(generator, dtype)  # type: ignore[arg-type]
+        case ShmSync():
+            return ShmTransport(generator, dtype, sync.checksum, sync.timeout_s)  # type: ignore[arg-type]
+        case NcclSync():
+            from .collective import CollectiveTransport
 
-def make_transport(sync: Any, generator_config: Any, generator: Any, learner_device: str) -> Transport:
-    """The transport the config names (`sync.transport`, 'auto' resolved), bound to `generator`."""
-    kind = sync.resolved(generator_config)
-    if kind == "inproc":
-        return InprocTransport(generator)
-    if kind == "http":
-        return HttpTransport(generator)
-    if kind == "shm":
-        return ShmTransport(generator, sync.checksum, sync.timeout_s)
-    if kind == "nccl":
-        return CollectiveTransport(generator, sync.backend, learner_device, sync.checksum, sync.timeout_s)
-    if kind == "cuda-ipc":
-        return CudaIpcTransport(generator, learner_device, sync.timeout_s)
-    raise ValueError(f"unknown transport {kind!r}")
+            return CollectiveTransport(generator, dtype, sync.backend, learner_device, sync.checksum,  # type: ignore[arg-type]
+                                       sync.timeout_s)
+        case CudaIpcSync():
+            return CudaIpcTransport(generator, dtype, learner_device, sync.timeout_s)  # type: ignore[arg-type]
+        case HttpSync():
+            from .http import HttpTransport
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+            sync_dir = Path(sync.dir) if sync.dir else out_dir / "sync"
+            return HttpTransport(generator, sync_dir, sync.timeout_s, sync.retry_budget_s)  # type: ignore[arg-type]
+    raise TypeError(f"no transport for {type(sync).__name__}")
