@@ -3,8 +3,8 @@
 import torch
 
 from lora_async.buffer import TrainSample
-from lora_async.learner import build_micro_batch, plan_micro_batches, plan_step
-from lora_async.loop import may_start
+from lora_async.learner.packing import build_micro_batch, plan_micro_batches, plan_step
+from lora_async.orchestrator.rollouts import may_start
 
 
 def test_plan_respects_the_budget_and_packs_many_per_batch():
@@ -59,3 +59,40 @@ def test_admission_rule():
     # one step of staleness: one batch ahead while training, two while waiting
     assert may_start(True, 7, 8, 1) and not may_start(True, 8, 8, 1)
     assert may_start(False, 15, 8, 1) and not may_start(False, 16, 8, 1)
+
+
+def test_packed_prompt_tree_logprobs_equal_an_unpacked_forward(tiny_model):
+    """Prompt trees packed into budget-bound micro-batches (shared prompts, split rows, padding)
+    give the logprobs of one plain causal forward per sample, to 1e-5 (fp32, random LoRA)."""
+    from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+    from lora_async.learner import Learner
+    from lora_async.placement import Placement
+
+    learner = Learner(tiny_model, {"main": (LoraConfig(rank=8), 1e-3)},
+                      LearnerConfig(dtype="float32", token_budget=32), LossConfig(), Placement("cpu", None), 0.7, 0)
+    rng = torch.Generator().manual_seed(0)
+    tensors = {k: torch.randn(v.shape, generator=rng) * 0.05 for k, v in learner.adapter_tensors("main").items()}
+    learner.load_adapter_tensors("main", tensors)
+    a, b, c = [1, 510, 2114, 314, 260, 1372], [1, 22, 3320, 4217, 3106, 17, 28, 39], [1, 900, 901]
+    samples = [sample(a, [44, 55, 66]), sample(b, [77]), sample(a, [88, 99, 111, 122, 133, 144]),
+               sample(b, [155, 166]), sample(a, list(range(200, 210))), sample(c, list(range(400, 410))),
+               sample(a, list(range(300, 310)))]
+    plan = plan_step(samples, 32)
+    rows = [row for mb in plan for row in mb]
+    assert len(plan) > 1 and any(len(mb) > 1 for mb in plan)  # several micro-batches, padded rows
+    assert sum(0 in row or 2 in row or 4 in row or 6 in row for row in rows) > 1  # group a is split
+    for adapter, temperature in (("main", 0.7), (None, 1.0)):
+        packed = learner.logprobs(adapter, samples)
+        for s, got in zip(samples, packed):
+            ids = torch.tensor([s.prompt_ids + s.completion_ids])
+            with torch.no_grad():
+                if adapter is None:
+                    with learner.model.disable_adapter():
+                        logits = learner.model(input_ids=ids).logits[0]
+                else:
+                    learner.model.set_adapter(adapter)
+                    logits = learner.model(input_ids=ids).logits[0]
+            start = len(s.prompt_ids) - 1
+            want = (logits.float() / temperature).log_softmax(-1)[start:-1].gather(
+                1, torch.tensor(s.completion_ids)[:, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(got), want, rtol=0, atol=1e-5)
