@@ -20,6 +20,7 @@ from typing import Iterator
 from rich.console import Console
 
 from .adapters import AdapterStore
+from .bench.proc import free_port, stop_group
 from .config import vllm_rank
 
 SHUTDOWN_GRACE_S = 30.0  # how long the server gets to stop before it is killed
@@ -72,7 +73,7 @@ def server_command(run_dir: Path, host: str, port: int, max_model_len: int, kv_c
 def training_server_command(model_dir: Path, host: str, port: int, max_lora_rank: int, max_loras: int,
                             max_model_len: int = 1024, kv_cache_gb: float = 1.0,
                             api_key: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """A server a training run drives (`generator.backend = 'server'`): runtime LoRA loading
+    """A server a training run drives (`generator.type = "server"`): runtime LoRA loading
     on, sampling logprobs after temperature (what the learner's importance ratio expects)."""
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -97,14 +98,11 @@ def training_server(model_dir: Path, max_lora_rank: int, max_loras: int = 4, max
                     startup_timeout_s: float = 600.0) -> Iterator[str]:
     """A `training_server_command` server on a free loopback port; yields its base URL once it
     answers, and stops it (SIGTERM, then SIGKILL) on exit. For tests and benchmarks."""
-    import socket
     import time
 
     import requests
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd, env = training_server_command(model_dir, "127.0.0.1", port, max_lora_rank, max_loras, max_model_len,
                                        kv_cache_gb)
     if cpus:
@@ -143,7 +141,7 @@ def serve_for_training(model: str, host: str, port: int, max_lora_rank: int, max
     cmd, env = training_server_command(model_dir, host, port, max_lora_rank, max_loras, max_model_len,
                                        kv_cache_gb, api_key)
     console.print(f"serving {model_dir} as 'base' for training runs at http://{host}:{port}\n"
-                  f"  use: generator.backend = \"server\", generator.urls = [\"http://{host}:{port}\"]")
+                  f"  use: generator.type = \"server\", generator.urls = [\"http://{host}:{port}\"]")
     return run_child(cmd, env)
 
 
@@ -194,14 +192,7 @@ def run_child(cmd: list[str], env: dict[str, str]) -> int:
 
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM the server's process group, give it SHUTDOWN_GRACE_S, then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=SHUTDOWN_GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_group(proc, SHUTDOWN_GRACE_S)
 
 
 def _exit_code(code: int) -> int:

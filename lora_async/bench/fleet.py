@@ -2,65 +2,39 @@
 
 Same model, tasks and learner steps per adapter. The separate runs go one after another (as a
 team would train them today); each run is the real trainer in its own process. Peak memory is
-the peak RSS of each run's process tree, sampled every `SAMPLE_S`.
+the peak RSS of each run's process tree (`proc.TreeMonitor`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from ..config import TrainConfig
-
-SAMPLE_S = 0.5
+from .proc import TreeMonitor, last_error, run_logged
 
 # K arithmetic skills on the embedded model (each its own adapter).
-SKILLS = [
-    ("add", ["+"]),
-    ("sub", ["-"]),
-    ("mul", ["*"]),
-    ("addsub", ["+", "-"]),
-]
-
-
-def _peak_rss(proc: subprocess.Popen, box: dict) -> None:
-    peak = 0
-    try:
-        root = psutil.Process(proc.pid)
-        while proc.poll() is None:
-            try:
-                tree = [root, *root.children(recursive=True)]
-                peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
-            except psutil.Error:
-                pass
-            time.sleep(SAMPLE_S)
-    finally:
-        box["peak_rss"] = peak
+SKILLS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("add", ("+",)),
+    ("sub", ("-",)),
+    ("mul", ("*",)),
+    ("addsub", ("+", "-")),
+)
 
 
 def _run(config: dict, work: Path, label: str) -> dict[str, Any]:
+    """One training run in its own process: its wall-clock and the peak RSS of its process tree."""
     path = work / f"{label}.json"
     path.write_text(json.dumps(config))
-    started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "lora_async.bench.run_json", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    box: dict[str, Any] = {}
-    sampler = threading.Thread(target=_peak_rss, args=(proc, box))
-    sampler.start()
-    output = proc.communicate()[0]
-    sampler.join()
-    (work / f"{label}.log").write_text(output)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{label} failed (see {work / f'{label}.log'})")
-    return {"wall_s": time.perf_counter() - started, "peak_rss_bytes": box["peak_rss"]}
+    log = work / f"{label}.log"
+    with TreeMonitor() as monitor:
+        done = run_logged([sys.executable, "-m", "lora_async.bench.run_json", str(path)], log, monitor)
+    if done.returncode != 0:
+        raise RuntimeError(f"{label} failed (see {log}): {last_error(log)}")
+    return {"wall_s": done.wall_s, "peak_rss_bytes": monitor.peak_bytes}
 
 
 def run_fleet_bench(base: TrainConfig, k: int, steps: int, out: Path) -> dict[str, Any]:
@@ -74,8 +48,8 @@ def run_fleet_bench(base: TrainConfig, k: int, steps: int, out: Path) -> dict[st
                          eval_every=0, checkpoint_every=0, progress=False, canary_every=0)
     system = "Answer with only the final number."
 
-    def task(ops: list[str]) -> dict:
-        return {"type": "arithmetic", "ops": ops, "system_prompt": system}
+    def task(ops: tuple[str, ...]) -> dict:
+        return {"type": "arithmetic", "ops": list(ops), "system_prompt": system}
 
     fleet = json.loads(json.dumps(common))
     fleet["adapters"] = [{"name": name, "task": task(ops)} for name, ops in skills]

@@ -43,7 +43,7 @@ def _round(gen: Any, adapter: str | None, prompts: int, tokens: int, seed: int) 
 
 def run_gen_bench(model: str, prompts: int = 64, tokens: int = 64, reps: int = 3,
                   cpus: str | None = None) -> list[dict[str, Any]]:
-    from ..generator.vllm_engine import EngineSpec, VllmGenerator
+    from ..generator.engine import EngineSpec, VllmGenerator
     from ..models import resolve_model
     from ..placement import Placement, parse_cpus
     from ..sync.transports import ShmTransport
@@ -58,7 +58,7 @@ def run_gen_bench(model: str, prompts: int = 64, tokens: int = 64, reps: int = 3
                           separate_process=True, max_num_seqs=prompts)
         with VllmGenerator(spec, Placement("cpu", parse_cpus(cpus) if cpus else None)) as gen:
             if with_lora:
-                transport = ShmTransport(gen)
+                transport = ShmTransport(gen, spec.dtype)
                 transport.publish(adapter)
                 transport.close()
             name = "bench" if with_lora else None

@@ -8,11 +8,14 @@ import sys
 from pathlib import Path
 
 from ..config import TrainConfig
-from ..loop import train
+from ..quiet import quiet_start
 
 
 def main(path: str) -> None:
     config = TrainConfig.model_validate(json.loads(Path(path).read_text()))
+    quiet_start(config.run.engine_log)  # before torch is imported
+    from ..orchestrator import train
+
     asyncio.run(train(config))
 
 

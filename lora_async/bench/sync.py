@@ -142,9 +142,10 @@ def _versions_of(adapter: AdapterVersion, name: str) -> Callable[[int], AdapterV
 
 def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: list[str],
                  adapters: dict[int, AdapterVersion], versions: int, cpus: str | None) -> list[dict[str, Any]]:
-    from ..generator.vllm_engine import EngineSpec, VllmGenerator
+    from ..generator.engine import EngineSpec, VllmGenerator
     from ..placement import Placement, parse_cpus
-    from ..sync.transports import CollectiveTransport, InprocTransport, ShmTransport
+    from ..sync.collective import CollectiveTransport
+    from ..sync.transports import InprocTransport, ShmTransport
 
     names = tuple(f"{t}-r{r}" for t in transports for r in adapters)
     spec = EngineSpec(model_dir=model_dir, adapters=names, max_staleness=0, max_lora_rank=max_rank,
@@ -172,8 +173,9 @@ def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: lis
                     finally:
                         shutil.rmtree(root, ignore_errors=True)
                     continue
-                sender = {"inproc": lambda: InprocTransport(gen), "shm": lambda: ShmTransport(gen),
-                          "gloo": lambda: CollectiveTransport(gen, backend="gloo")}[transport]()
+                sender = {"inproc": lambda: InprocTransport(gen, gen.spec.dtype),
+                          "shm": lambda: ShmTransport(gen, gen.spec.dtype),
+                          "gloo": lambda: CollectiveTransport(gen, gen.spec.dtype, backend="gloo")}[transport]()
                 try:
                     rows.append(_measure(gen, transport, rank, _prepared(sender.publish, make), name, versions,
                                          fresh))
@@ -184,16 +186,15 @@ def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: lis
 
 def _with_server(model_dir: Path, max_rank: int, adapters: dict[int, AdapterVersion],
                  versions: int, cpus: str | None) -> list[dict[str, Any]]:
-    from ..generator.server import ServerGenerator
+    from ..generator.server import ServerClient, ServerGenerator
     from ..serve import training_server
-    from ..sync.http import ServerSync
-    from ..sync.transports import HttpTransport
+    from ..sync.http import HttpTransport
 
     rows = []
     with training_server(model_dir, max_rank, max_loras=4, max_model_len=512, cpus=cpus) as url, \
             tempfile.TemporaryDirectory(dir="/dev/shm") as sync_dir, \
-            ServerGenerator(ServerSync([url], sync_dir), model_dir, 0, max_rank) as gen:
-        transport = HttpTransport(gen)
+            ServerGenerator(ServerClient([url]), model_dir, 0, max_rank) as gen:
+        transport = HttpTransport(gen, Path(sync_dir))
         fresh = _fresh_prompts()
         for rank, adapter in adapters.items():
             make = _versions_of(adapter, f"http-r{rank}")
@@ -214,7 +215,7 @@ def _full_reload(gen: Any, model_dir: Path) -> Callable[[dict], int]:
     def publish(tensors: dict) -> int:
         if gen.spec.separate_process:
             raise RuntimeError("the full-weight row runs on the in-process engine")
-        gen.run_in_engine(lambda eng: eng.collective_rpc("lora_async_load_base_weights", args=(tensors,)))
+        gen.run_in_engine(lambda client: client.load_base_weights(tensors))
         return size
 
     publish.prepare = prepare  # type: ignore[attr-defined]
