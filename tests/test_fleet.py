@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lora_async.bench.proc import free_port
 from lora_async.config import load_config
 from lora_async.metrics import read_metrics
 
@@ -36,10 +37,11 @@ def fleet_config(tmp_path: Path, tiny_model: Path, out: str, max_steps: int) -> 
 name = "{tiny_model}"
 [generator]
 kv_cache_gb = 0.25
-max_new_tokens = 8
-samples_per_prompt = 4
 groups_in_flight = 8
 max_model_len = 256
+[sampling]
+max_new_tokens = 8
+samples_per_prompt = 4
 [learner]
 groups_per_step = 3
 lr = 2e-2
@@ -59,7 +61,7 @@ checkpoint_every = 4
 @pytest.fixture(scope="module")
 def fleet_run(tiny_model, tmp_path_factory):
     """Train the 3-adapter fleet once (checking isolation on every step); later tests reuse it."""
-    from lora_async.loop import train
+    from lora_async.orchestrator import train
 
     tmp = tmp_path_factory.mktemp("fleet")
     config = load_config(fleet_config(tmp, tiny_model, "fleet", max_steps=12))
@@ -105,7 +107,7 @@ def test_fleet_generation_is_shared_by_weight(fleet_run):
 
 
 def test_fleet_resume_continues_every_adapter(fleet_run, tiny_model):
-    from lora_async.loop import train
+    from lora_async.orchestrator import train
 
     tmp = fleet_run["tmp"]
     config = load_config(fleet_config(tmp, tiny_model, "fleet", max_steps=16))
@@ -155,12 +157,6 @@ def test_adapters_list_and_export(fleet_run, tiny_model, tmp_path):
     assert missing.exit_code == 1 and "seven" in missing.output
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _post(url: str, payload: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
@@ -168,7 +164,7 @@ def _post(url: str, payload: dict) -> dict:
 
 
 def test_serve_answers_per_adapter_over_http(fleet_run):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "lora_async", "serve", str(fleet_run["out"]),
                              "--port", str(port), "--max-model-len", "256", "--kv-cache-gb", "0.25"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -31,14 +31,15 @@ PROMPTS_JSONL = "\n".join(json.dumps({"prompt": f"Say something about item {i}."
                           for i in range(40))
 
 
-def make_config(tmp_path: Path, tiny_model: Path, out: str, **sections: dict) -> Path:
-    """A small run on the tiny model with the vowel reward (module in tmp_path)."""
+def make_config(tmp_path: Path, tiny_model: Path, out: str, replace: dict | None = None, **sections: dict) -> Path:
+    """A small run on the tiny model with the vowel reward (module in tmp_path). `sections`
+    update the base tables; `replace` swaps whole tables (e.g. another generator type)."""
     (tmp_path / "tiny_rewards.py").write_text(REWARDS)
     (tmp_path / "prompts.jsonl").write_text(PROMPTS_JSONL)
     base = {
         "model": {"name": str(tiny_model)},
-        "generator": {"kv_cache_gb": 0.25, "max_new_tokens": 8, "samples_per_prompt": 4,
-                      "groups_in_flight": 4, "max_model_len": 256},
+        "generator": {"kv_cache_gb": 0.25, "groups_in_flight": 4, "max_model_len": 256},
+        "sampling": {"max_new_tokens": 8, "samples_per_prompt": 4},
         "learner": {"groups_per_step": 2, "lr": 2e-3},
         "run": {"max_steps": 3, "output_dir": str(tmp_path / out), "progress": False, "canary_every": 1},
         "task": {"type": "jsonl", "path": str(tmp_path / "prompts.jsonl"), "reward": "tiny_rewards:vowels",
@@ -46,6 +47,7 @@ def make_config(tmp_path: Path, tiny_model: Path, out: str, **sections: dict) ->
     }
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
+    base.update(replace or {})
     lines = []
     for name, values in base.items():
         lines.append(f"[{name}]")
@@ -102,7 +104,7 @@ def test_cli_runs_three_steps_and_writes_loadable_adapters(in_tmp, tiny_model):
 
 def test_tiny_model_learns_a_trivial_reward(in_tmp, tiny_model):
     """Reward 1 for emitting the token '7' (about a quarter of samples do at first)."""
-    from lora_async.loop import train
+    from lora_async.orchestrator import train
 
     config = load_config(make_config(in_tmp, tiny_model, "learn", run={"max_steps": 20, "canary_every": 0},
                                      learner={"groups_per_step": 4, "lr": 1e-2}, task={"reward": "regex:7"}))
@@ -118,7 +120,7 @@ def test_a_dead_engine_stops_the_run_with_a_clear_error_and_a_checkpoint(in_tmp,
     import os
     import signal
 
-    from lora_async.loop import TrainingError, train
+    from lora_async.orchestrator import TrainingError, train
 
     # The engine in its own process, killed with SIGKILL mid-run (as the OOM killer would).
     config = load_config(make_config(in_tmp, tiny_model, "dead", run={"max_steps": 50, "canary_every": 0},
@@ -127,7 +129,7 @@ def test_a_dead_engine_stops_the_run_with_a_clear_error_and_a_checkpoint(in_tmp,
     def kill_engine(run):
         if run.global_step != 2:
             return
-        pids = run.generator.run_in_engine(lambda engine: engine.collective_rpc("lora_async_pid"))
+        pids = run.generator.run_in_engine(lambda client: client.worker_pids())
         assert pids and all(pid != os.getpid() for pid in pids)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)

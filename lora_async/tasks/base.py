@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 
@@ -20,8 +20,14 @@ class RewardStats:
     calls: int = 0
     errors: int = 0  # raised, timed out, or returned a non-number
     timeouts: int = 0
+    first_error: str | None = None
     last_error: str | None = None
-    messages: list[str] = field(default_factory=list)
+
+    def record_error(self, message: str) -> None:
+        self.errors += 1
+        self.last_error = message
+        if self.first_error is None:
+            self.first_error = message
 
 
 class Task(Protocol):

@@ -117,7 +117,6 @@ class UserReward:
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         assert self._proc is not None and self._proc.stdin is not None
-        self.stats.calls += 1
         try:
             self._proc.stdin.write(json.dumps({"p": prompt, "c": completion, "a": answer}) + "\n")
             self._proc.stdin.flush()
@@ -135,8 +134,7 @@ class UserReward:
         return float(reply["r"])
 
     def _fail(self, message: str) -> None:
-        self.stats.errors += 1
-        self.stats.last_error = f"{self.spec}: {message}"
+        self.stats.record_error(f"{self.spec}: {message}")
 
     def close(self) -> None:
         self._kill()
@@ -154,7 +152,10 @@ def make_reward(spec: str, timeout_s: float, stats: RewardStats) -> Callable[[st
 
 def safe_rewards(fn: Callable[[str, str, str], float], stats: RewardStats, prompt: str,
                  completions: list[str], answer: str) -> list[float]:
-    """Score completions; an exception or a non-finite score gives 0 and is counted."""
+    """Score completions; an exception or a non-finite score gives 0 and is counted.
+
+    A call is counted once it is scored (after its error, if any), so a reader on another
+    thread never sees more calls than outcomes."""
     out = []
     for completion in completions:
         try:
@@ -162,8 +163,8 @@ def safe_rewards(fn: Callable[[str, str, str], float], stats: RewardStats, promp
             if not math.isfinite(value):
                 raise ValueError(f"reward is {value}")
         except Exception as exc:
-            stats.errors += 1
-            stats.last_error = f"{type(exc).__name__}: {exc}"
+            stats.record_error(f"{type(exc).__name__}: {exc}")
             value = 0.0
+        stats.calls += 1
         out.append(value)
     return out

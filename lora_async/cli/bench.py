@@ -1,0 +1,106 @@
+"""`lora-async bench ...`: the benchmarks whose figures go to bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from .common import CONFIG_HELP, SET_HELP, fail, load_or_exit
+
+bench_app = typer.Typer(help="Benchmarks (figures go to bench/RESULTS.md).", no_args_is_help=True)
+
+
+SYNC_TRANSPORTS = ("inproc", "peft-dir-disk", "peft-dir-devshm", "full-reload", "shm", "gloo", "http",
+                   "cuda-ipc", "nccl")
+
+
+@bench_app.command("sync")
+def bench_sync(
+    transport: str = typer.Option(
+        "local", "--transport",
+        help="'local' (in-process engine paths), 'all', or a comma list of: " + ", ".join(SYNC_TRANSPORTS)),
+    versions: int = typer.Option(12, "--versions", help="Successive versions measured per path."),
+    rank: str = typer.Option("8", "--rank", help="LoRA rank(s), all linear layers: '8' or '1,8,64'."),
+    model: str = typer.Option("smollm2-135m", "--model", help="Model name or directory."),
+    cpus: str = typer.Option("0", "--cpus", help="Engine cores ('0', '0-1'; 'all' = no pinning)."),
+    as_json: bool = typer.Option(False, "--json", help="Print {\"results\": [...]} as JSON."),
+) -> None:
+    """Adapter sync per transport: publish time and hot-swap latency (ready -> first token)."""
+    from ..bench.sync import ALL, LOCAL, run_sync_bench
+
+    chosen = ALL if transport == "all" else LOCAL if transport == "local" else tuple(transport.split(","))
+    unknown = sorted(set(chosen) - set(ALL))
+    if unknown:
+        fail(f"--transport: unknown {', '.join(unknown)} (choose from {', '.join(ALL)})")
+    try:
+        ranks = [int(r) for r in rank.split(",")]
+    except ValueError:
+        fail("--rank: give integers like '8' or '1,8,64'")
+    results = run_sync_bench(model, ranks, versions, chosen, console=Console(stderr=True),
+                             cpus=None if cpus == "all" else cpus)
+    if as_json:
+        print(json.dumps({"results": results}))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"adapter sync, {versions} versions per row")
+    for col in ("transport", "rank", "bytes", "publish p50 ms", "swap p50 ms", "swap max ms", "vs full reload"):
+        table.add_column(col)
+    for row in results:
+        if not row["measured"]:
+            table.add_row(row["transport"], "-", "-", "not measured", row["why"], "", "")
+            continue
+        table.add_row(row["transport"], str(row["rank"] or "-"), f"{row['bytes']:,}",
+                      f"{row['publish_p50_ms']:.1f}", f"{row['p50_ms']:.1f}", f"{row['max_ms']:.1f}",
+                      f"{row['speedup_vs_full']:.0f}x" if row.get("speedup_vs_full") else "-")
+    Console().print(table)
+
+
+@bench_app.command("gen")
+def bench_gen(
+    prompts: int = typer.Option(64, "--prompts", help="Concurrent prompts per round."),
+    tokens: int = typer.Option(64, "--tokens", help="Sampled tokens per prompt."),
+    reps: int = typer.Option(3, "--reps", help="Rounds per configuration (median reported)."),
+    model: str = typer.Option("smollm2-135m", "--model", help="Model name or directory."),
+    cpus: str = typer.Option("all", "--cpus", help="Engine cores ('0', '0-1', 'all')."),
+) -> None:
+    """Generation tokens/s: base model, LoRA with vLLM's CPU ops, LoRA with the grouped ops."""
+    from ..bench.gen import run_gen_bench
+
+    print(json.dumps({"results": run_gen_bench(model, prompts, tokens, reps, None if cpus == "all" else cpus)},
+                     indent=2))
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    config: Path = typer.Argument(Path("examples/arithmetic.toml"), help=CONFIG_HELP),
+    budget: float = typer.Option(300.0, "--budget", help="Wall-clock seconds of training per mode."),
+    eval_every: int = typer.Option(2, "--eval-every", help="Held-out eval every N steps."),
+    out: Path = typer.Option(Path("runs/bench-e2e"), "--out", help="Where the two runs go."),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Async (max_staleness >= 1) vs sync (max_staleness = 0) on the same config and budget."""
+    cfg = load_or_exit(config, set_)
+    from ..bench.e2e import run_e2e_bench
+
+    report = run_e2e_bench(cfg, budget, out, eval_every, config)
+    print(json.dumps(report, indent=None if as_json else 2))
+
+
+@bench_app.command("fleet")
+def bench_fleet(
+    config: Path = typer.Argument(Path("examples/arithmetic.toml"), help="Base config (model, learner, ...)."),
+    k: int = typer.Option(4, "--k", min=1, max=4, help="Adapters in the fleet."),
+    steps: int = typer.Option(6, "--steps", help="Learner steps per adapter."),
+    out: Path = typer.Option(Path("runs/bench-fleet"), "--out"),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
+    """A K-adapter fleet vs K separate runs: wall-clock and peak-memory ratios."""
+    cfg = load_or_exit(config, set_)
+    from ..bench.fleet import run_fleet_bench
+
+    print(json.dumps(run_fleet_bench(cfg, k, steps, out), indent=2))

@@ -1,0 +1,18 @@
+"""The orchestrator: one training run, producers and learner joined by the rollout buffer.
+
+| module | owns |
+|---|---|
+| `state.py` | `Run`, `AdapterRun`, counters, and the one way a run stops or fails |
+| `loop.py` | `train` (the main loop; the shutdown order in its docstring) and `train_step` |
+| `rollouts.py` | admission and the producers (generate, score, buffer) |
+| `batches.py` | collecting each step's batch from the buffer |
+| `publish.py` | handing new versions to the generator, the step's metrics line, the canary |
+| `periodic.py` | checkpoints, held-out evals and the chart |
+| `lifecycle.py` | building the parts, resume, signals, teardown |
+"""
+
+from .lifecycle import LocalParts, Parts
+from .loop import train, train_step
+from .state import Phase, Run, TrainingError
+
+__all__ = ["LocalParts", "Parts", "Phase", "Run", "TrainingError", "train", "train_step"]

@@ -1,0 +1,83 @@
+"""Collecting: one batch of groups per learner step, per adapter.
+
+A batch is `learner.groups_per_step` informative groups (rewards not all equal: the others give
+no gradient and are skipped and counted) that the learner can take in one step. The lag is
+stamped against the learner's version when a group is taken (stale ones are dropped then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..buffer import Group
+from ..metrics import step_marks
+from .state import MAX_PULL_FACTOR, AdapterRun, Run, samples_of
+
+TAKE_POLL_S = 1.0  # how often a waiting collector re-checks the limits and the run's state
+INFORMATIVE_EMA = 0.1  # smoothing of the share of groups with a reward signal (admission uses it)
+
+
+def start_collectors(run: Run, ready: asyncio.Queue) -> list[asyncio.Task]:
+    return [asyncio.create_task(collect_loop(run, a, ready)) for a in run.adapters.values()]
+
+
+async def collect_loop(run: Run, adapter: AdapterRun, ready: asyncio.Queue) -> None:
+    """Hand the learner one batch of this adapter at a time, until its steps are done."""
+    adapter.marks = step_marks(run, adapter)
+    while not run.finished(adapter):
+        groups = await collect_batch(run, adapter)
+        if groups is None:
+            return
+        adapter.trained.clear()
+        await ready.put((adapter, groups))
+        await adapter.trained.wait()
+
+
+async def collect_batch(run: Run, adapter: AdapterRun) -> list[Group] | None:
+    """The next batch (None when the run stops first). After pulling MAX_PULL_FACTOR batches'
+    worth of groups without filling it, it returns what it has, even nothing, so the run keeps
+    its step budget and the metrics show the flat rewards instead of waiting forever."""
+    cfg = run.config.learner
+    groups, adapter.carry = adapter.carry, []
+    adapter.pulled_rewards = [s.reward for g in groups for s in g.samples]
+    keep_flat = run.config.loss.kl_coef > 0  # the KL term has a gradient even without advantages
+    pulled = 0
+    while len(groups) < cfg.groups_per_step:
+        if run.finished(adapter):
+            return None
+        group = await take(run, adapter)
+        if group is None:
+            continue
+        pulled += 1
+        adapter.pulled_rewards.extend(group.rewards)
+        informative = group.informative or keep_flat
+        adapter.informative_rate += INFORMATIVE_EMA * (float(informative) - adapter.informative_rate)
+        if not informative:
+            adapter.counters.zero_adv_groups += 1
+        elif groups and not run.learner.fits(samples_of(groups + [group])):
+            adapter.carry.append(group)
+            break
+        else:
+            groups.append(group)
+        if pulled >= MAX_PULL_FACTOR * cfg.groups_per_step:
+            if not groups and not adapter.warned_flat:
+                adapter.warned_flat = True
+                run.console.print(f"[yellow]{adapter.name}: no reward signal in the last {pulled} groups "
+                                  f"(every sample of a group scored the same, e.g. {group.rewards[0]}): "
+                                  "steps make no update[/]")
+            break
+    return groups
+
+
+async def take(run: Run, adapter: AdapterRun) -> Group | None:
+    """The next admissible group of `adapter`, or None after TAKE_POLL_S without one."""
+    dropped = run.buffer.counters.dropped_stale
+    try:
+        # the lag is against the learner's version (a publish may still be on its way)
+        group = await asyncio.wait_for(run.buffer.take(adapter.name, run.learner.version(adapter.name)), TAKE_POLL_S)
+    except asyncio.TimeoutError:
+        if run.buffer.counters.dropped_stale != dropped:
+            await run.notify()  # stale groups left the queue: producers may start again
+        return None
+    await run.notify()
+    return group

@@ -1,0 +1,203 @@
+"""Setting a run up and tearing it down.
+
+`setup_run` builds the parts (`Parts`: the real ones from the config by default, fakes in
+tests), restores a checkpoint on `--resume`, and opens the metrics. `finish_run` does the end of
+the shutdown order written in `loop.train`: pending publishes, checkpoint and final adapters
+(or, after a failure, a checkpoint of what was learned), then every part closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import signal
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.console import Console
+
+from ..adapters import AdapterStore
+from ..buffer import RolloutBuffer
+from ..checkpoint import RunState, latest_checkpoint, load_checkpoint
+from ..config import TrainConfig, dump_config
+from ..generator.types import Generator
+from ..metrics import MetricsWriter, run_summary, summary_table, truncate_metrics
+from ..placement import Placement, pin_current_thread
+from ..sync.transports import Transport
+from ..tasks import make_task
+from .periodic import checkpoint, evaluate_all, save_adapter
+from .state import AdapterRun, Counters, LearnerAPI, Run, TrainingError
+
+
+class Parts(Protocol):
+    """What a run is built from. `LocalParts` builds the real ones; tests pass fakes."""
+
+    learner_placement: Placement
+
+    def describe(self) -> str: ...
+    def tokenizer(self) -> Any: ...
+    def generator(self) -> Generator: ...
+    def transport(self, generator: Generator) -> Transport: ...
+    def learner(self) -> LearnerAPI:
+        """Called on the learner's own thread (pinned to `learner_placement`)."""
+
+
+class LocalParts:
+    """The real parts: the model resolved (the embedded one built on first use), the generator
+    the config names, its transport, and a peft learner, each on its placement."""
+
+    def __init__(self, config: TrainConfig, console: Console, out_dir: Path) -> None:
+        from ..models import resolve_model
+        from ..placement import resolve
+
+        self.config, self.out_dir = config, out_dir
+        self.model_dir = resolve_model(config.model.name, console)
+        gen, learner = config.generator, config.learner
+        if gen.engine_home == "server":  # no engine of ours: only the learner is placed
+            self.generator_placement, self.learner_placement = resolve(None, None, learner.device, learner.cpus,
+                                                                       concurrent=False)
+            self.where = f"vllm serve at {', '.join(gen.urls)}"
+        else:  # `auto` splits the cores only when generation and training run concurrently
+            self.generator_placement, self.learner_placement = resolve(
+                gen.device, gen.cpus, learner.device, learner.cpus, concurrent=config.buffer.max_staleness > 0)
+            self.where = self.generator_placement.describe() + (
+                " (engine in its own process)" if gen.engine_home == "separate" else "")
+
+    def describe(self) -> str:
+        config = self.config
+        where = self.where
+        return (f"model {config.model.name} ({self.model_dir}); adapters {', '.join(config.adapter_names)}\n"
+                f"generator on {where}, learner on {self.learner_placement.describe()}, "
+                f"max_staleness {config.buffer.max_staleness}")
+
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir)
+
+    def generator(self) -> Generator:
+        from ..generator import make_generator
+
+        return make_generator(self.config, self.model_dir, self.generator_placement)
+
+    def transport(self, generator: Generator) -> Transport:
+        from ..sync.transports import make_transport
+
+        return make_transport(self.config, generator, self.learner_placement.device, self.out_dir)
+
+    def learner(self) -> LearnerAPI:
+        from ..learner import Learner
+
+        specs = self.config.adapter_specs
+        return Learner(self.model_dir, {s.name: (s.lora, s.lr) for s in specs}, self.config.learner,
+                       self.config.loss, self.learner_placement, {s.name: s.sampling.temperature for s in specs},
+                       self.config.run.seed)
+
+
+async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: Parts | None = None) -> Run:
+    out_dir = Path(config.run.output_dir)
+    checkpoint_path = latest_checkpoint(out_dir) if resume else None
+    if resume and checkpoint_path is None:
+        console.print(f"[yellow]--resume: no checkpoint in {out_dir}; starting fresh[/]")
+    if checkpoint_path is None and (out_dir / "metrics.jsonl").exists():
+        raise TrainingError(f"{out_dir} already holds a run; use --resume to continue it or choose "
+                            "another run.output_dir")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(dump_config(config))
+    parts = parts or await asyncio.to_thread(LocalParts, config, console, out_dir)
+    console.print(parts.describe())
+    adapters = {spec.name: AdapterRun(spec, make_task(spec.task, config.run.seed)) for spec in config.adapter_specs}
+    tokenizer = await asyncio.to_thread(parts.tokenizer)
+    pool = concurrent.futures.ThreadPoolExecutor(1, "lora-async-learner", pin_current_thread,
+                                                 (parts.learner_placement,))
+    # One after the other: vLLM switches torch's process-wide default dtype while it builds its
+    # model, which would leak into a learner built at the same time.
+    generator = await asyncio.to_thread(parts.generator)
+    try:
+        transport = await asyncio.to_thread(parts.transport, generator)
+        console.print(f"sync: {transport.name}")
+        learner = await asyncio.get_running_loop().run_in_executor(pool, parts.learner)
+        state = None
+        if checkpoint_path is not None:  # the learner's state now; the metrics file before it is opened
+            state = await asyncio.get_running_loop().run_in_executor(pool, load_checkpoint, checkpoint_path, learner)
+            kept = truncate_metrics(out_dir / "metrics.jsonl", state.steps)
+            versions = ", ".join(f"{n} v{learner.version(n)}" for n in adapters)
+            console.print(f"resumed from {checkpoint_path.name}: step {state.step} ({versions}), "
+                          f"{kept} metric lines kept")
+    except BaseException:
+        generator.close()
+        pool.shutdown(wait=False)
+        raise
+    run = Run(config=config, out_dir=out_dir, console=console, adapters=adapters, tokenizer=tokenizer,
+              generator=generator, transport=transport, learner=learner, learner_pool=pool,
+              buffer=RolloutBuffer(config.buffer.max_tokens, config.buffer.max_staleness, config.buffer.stale_policy),
+              store=AdapterStore(out_dir), metrics=MetricsWriter(out_dir, list(adapters), config.run, console))
+    if state is not None:
+        restore(run, state)
+    for adapter in adapters.values():
+        run.metrics.set_completed(adapter.name, adapter.step)
+    return run
+
+
+def restore(run: Run, state: RunState) -> None:
+    """Continue a run where its checkpoint left off: steps, wall clock, counters, task position."""
+    run.global_step, run.wall_offset = state.step, state.wall_s
+    for name, adapter in run.adapters.items():
+        adapter.step = state.steps.get(name, 0)
+        adapter.next_problem = state.next_problem.get(name, 0)
+        saved = state.counters.get(name, {})
+        adapter.counters = Counters(**{k: v for k, v in saved.items() if k in Counters.__dataclass_fields__})
+
+
+def install_stop_signals(run: Run) -> None:
+    """SIGINT/SIGTERM stop after the current step with a checkpoint; a second one aborts."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, run.request_stop)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            return
+
+
+async def stop_workers(run: Run, workers: list[asyncio.Task]) -> None:
+    """Producers and collectors end: generation in flight is abandoned (not saved)."""
+    run.check_limits()
+    await run.notify()
+    for task in workers:
+        task.cancel()
+    await asyncio.gather(*workers, return_exceptions=True)
+
+
+async def finish_run(run: Run) -> dict[str, Any]:
+    try:
+        pending = [a.publishing for a in run.adapters.values() if a.publishing is not None]
+        await asyncio.gather(*pending, return_exceptions=True)  # failures already failed the run
+        for task in list(run.background):
+            task.cancel()
+        await asyncio.gather(*run.background, return_exceptions=True)
+        if run.error is None:
+            await checkpoint(run)
+            for adapter in run.adapters.values():
+                await save_adapter(run, adapter, final=True)
+            if run.config.run.eval_at_end:
+                await evaluate_all(run, "end")
+        elif run.global_step > 0:  # keep what was learned before the failure
+            await checkpoint(run)
+    finally:
+        run.metrics.close()
+        run.transport.close()
+        run.generator.close()
+        for adapter in run.adapters.values():
+            adapter.task.close()
+        run.learner_pool.shutdown(wait=True)
+    summary = run_summary(run)
+    (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.console.print(summary_table(summary))
+    for name, adapter in run.adapters.items():
+        ends = {row["when"]: row for row in run.evals if row["adapter"] == name}
+        if "start" in ends and "end" in ends:
+            run.console.print(f"[bold]{name}: held-out greedy accuracy {ends['start']['accuracy']:.2f} -> "
+                              f"{ends['end']['accuracy']:.2f}[/] (n={ends['end']['n']}, {adapter.step} steps, "
+                              f"{run.wall_s:.0f} s)")
+    return summary

@@ -1,0 +1,100 @@
+"""The training loop: producers keep vLLM busy, the learner consumes, new versions flow back.
+
+    producers (rollouts.py) --GenRequest--> generator (vLLM, versions v_k, v_k-1 ...)
+        | rewards, advantages                       ^
+        v                                           | publish.py (a Delivery per version)
+    RolloutBuffer (token-bounded) --batches.py--> learner thread (peft) --train_step--> new version
+
+Threads: the asyncio loop (this package), the generator's engine thread, the learner thread.
+Every adapter of a fleet has its own producers, batch collector, optimizer, version counter
+and step count; the learner holds the base once and steps whichever adapter's batch is ready
+first. Synchronous training is this same loop with `buffer.max_staleness = 0`: admission then
+lets producers start only while the learner waits for data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from rich.console import Console
+
+from ..buffer import Group
+from ..config import TrainConfig
+from ..metrics import step_marks, step_row
+from .batches import start_collectors
+from .lifecycle import Parts, finish_run, install_stop_signals, setup_run, stop_workers
+from .periodic import after_step, evaluate_all
+from .publish import publish_and_record, publish_initial
+from .rollouts import ROLLOUT_TAG, start_producers
+from .state import AdapterRun, Run, TrainingError, samples_of
+
+READY_POLL_S = 1.0  # how often the idle main loop re-checks the limits and the run's state
+
+
+async def train(config: TrainConfig, resume: bool = False, console: Console | None = None,
+                on_step: Callable[[Run], Any] | None = None, parts: Parts | None = None) -> dict[str, Any]:
+    """Run training until a limit, a stop signal or a failure; return the summary.
+
+    The shutdown order, whatever ended the run:
+    1. the main loop leaves: every adapter did `run.max_steps`, the time budget is spent, a
+       signal asked to stop (after the current step), or `Run.fail` recorded an error;
+    2. producers and collectors are cancelled (groups still generating or buffered are dropped;
+       on resume their prompts are skipped);
+    3. pending publishes finish, so every step has its metrics line (`finish_run`);
+    4. background evals and the chart are cancelled;
+    5. a checkpoint and the final adapters (and the end eval), or after a failure a checkpoint of
+       what was learned;
+    6. metrics, transport, generator, tasks and the learner thread close, in that order;
+    7. a failure is raised as `TrainingError` (after the summary is written).
+    """
+    run = await setup_run(config, resume, console or Console(stderr=True), parts)
+    install_stop_signals(run)
+    workers: list[asyncio.Task] = []
+    try:
+        await publish_initial(run)
+        if config.run.eval_at_start:
+            await evaluate_all(run, "start")
+        ready: asyncio.Queue[tuple[AdapterRun, list[Group]]] = asyncio.Queue()
+        workers = start_producers(run) + start_collectors(run, ready)
+        while not run.finished():
+            try:
+                adapter, groups = await asyncio.wait_for(ready.get(), READY_POLL_S)
+            except asyncio.TimeoutError:
+                continue
+            await train_step(run, adapter, groups)
+            adapter.trained.set()
+            if on_step is not None:
+                on_step(run)
+    finally:
+        await stop_workers(run, workers)
+        summary = await finish_run(run)
+    if run.error is not None:
+        raise TrainingError(str(run.error)) from run.error
+    return summary
+
+
+async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None:
+    """One learner step of one adapter. The new version is handed over in the background, so the
+    learner never waits for the engine; the step's metrics line follows its registration."""
+    if adapter.step == 0 and adapter.task.stats.calls and adapter.task.stats.errors >= adapter.task.stats.calls:
+        run.fail(TrainingError(f"{adapter.name}: every reward call of the first step failed; "
+                               f"the first error: {adapter.task.stats.first_error}"))
+        return
+    # Groups still generating on versions this step makes too old could only be dropped as
+    # stale: stop them now, so the engine (and, on shared cores, the learner) gets the time.
+    oldest_useful = run.learner.version(adapter.name) + 1 - run.config.buffer.max_staleness
+    run.generator.abort_older(adapter.name, oldest_useful, ROLLOUT_TAG)
+    adapter.busy = True
+    stats = await run.in_learner(run.learner.train_step, adapter.name, samples_of(groups))
+    version = await run.in_learner(run.learner.adapter_version, adapter.name) if stats.updated else None
+    adapter.busy = False
+    await run.notify()
+    adapter.step += 1
+    run.global_step += 1
+    adapter.counters.skipped_nonfinite += int(stats.skipped_nonfinite)
+    row = step_row(run, adapter, groups, stats)
+    adapter.last_reward = row["reward_mean"]
+    adapter.marks = step_marks(run, adapter)
+    adapter.publishing = asyncio.create_task(publish_and_record(run, adapter, version, row, adapter.publishing))
+    await after_step(run, adapter)

@@ -1,0 +1,192 @@
+"""What a training run holds while it runs: the run, each adapter's share, the counters, and
+the one way a run stops (`Run.stop_with` / `Run.fail`).
+
+A run is RUNNING until one of these, whichever comes first:
+- DONE: every adapter did `run.max_steps`, or the time budget is spent;
+- REQUESTED: SIGINT/SIGTERM (the current step finishes and a checkpoint follows);
+- FAILED: something the run cannot continue without (a dead engine, a failing transport,
+  rewards that never work); the first error is kept and the run ends with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from rich.console import Console
+
+from ..buffer import Group, RolloutBuffer, TrainSample
+from ..generator.types import AdapterVersion, GenRequest, GenResult, Generator, generate_async
+
+if TYPE_CHECKING:
+    from ..adapters import AdapterStore
+    from ..config import AdapterSpec, TrainConfig
+    from ..learner import StepStats
+    from ..metrics import MetricsWriter
+    from ..sync.transports import Transport
+    from ..tasks import Task
+
+MAX_PULL_FACTOR = 4  # a step takes what it has after pulling this many batches' worth of groups
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot continue (engine died, rewards never work); the message says why."""
+
+
+class Phase(enum.Enum):
+    RUNNING = "running"
+    DONE = "done"
+    REQUESTED = "requested"
+    FAILED = "failed"
+
+
+class LearnerAPI(Protocol):
+    """What the orchestrator needs of a learner (`learner.Learner`, or a test's fake)."""
+
+    adapters: dict[str, Any]
+
+    def version(self, adapter: str) -> int: ...
+    def adapter_version(self, adapter: str) -> AdapterVersion: ...
+    def adapter_tensors(self, adapter: str) -> dict[str, Any]: ...
+    def peft_config(self, adapter: str) -> dict: ...
+    def fits(self, samples: list[TrainSample]) -> bool: ...
+    def train_step(self, adapter: str, samples: list[TrainSample]) -> "StepStats": ...
+    def snapshot_logprobs(self, version: AdapterVersion, samples: list[TrainSample]) -> list[list[float]]: ...
+
+
+@dataclass
+class Counters:
+    groups_started: int = 0
+    groups_failed: int = 0
+    zero_adv_groups: int = 0
+    tokens_generated: int = 0
+    skipped_nonfinite: int = 0
+    canary_warnings: int = 0
+    rejected_versions: int = 0  # versions the transport or the engine refused (older ones kept serving)
+    aborted_stale: int = 0  # groups stopped mid-generation: they would have been too stale to train
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class AdapterRun:
+    """One adapter's share of a run: task, position, versions, counters."""
+
+    spec: "AdapterSpec"
+    task: "Task"
+    step: int = 0
+    next_problem: int = 0
+    published: int = -1
+    busy: bool = False  # the learner is training this adapter
+    in_flight: int = 0
+    carry: list[Group] = field(default_factory=list)  # taken, but did not fit the last step
+    pulled_rewards: list[float] = field(default_factory=list)  # every group taken for this step
+    informative_rate: float = 1.0  # running share of groups with a reward signal
+    counters: Counters = field(default_factory=Counters)
+    last_reward: float | None = None
+    warned_flat: bool = False
+    reported_reward_error: bool = False
+    marks: dict[str, float] = field(default_factory=dict)  # generator clock and tokens at the step's start
+    trained: asyncio.Event = field(default_factory=asyncio.Event)
+    rejected_in_a_row: int = 0
+    publishing: asyncio.Task | None = None  # the newest version's hand-off (and metrics line)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def groups_consumed_per_step(self, groups_per_step: int) -> int:
+        """Groups a step takes from the buffer: groups_per_step, plus the flat ones it skips."""
+        return math.ceil(groups_per_step / max(self.informative_rate, 1 / MAX_PULL_FACTOR))
+
+
+@dataclass
+class Run:
+    """Everything one training run holds. Built by `lifecycle.setup_run`, ended by `finish_run`."""
+
+    config: "TrainConfig"
+    out_dir: Path
+    console: Console
+    adapters: dict[str, AdapterRun]
+    tokenizer: Any
+    generator: Generator
+    transport: "Transport"
+    learner: LearnerAPI
+    learner_pool: concurrent.futures.ThreadPoolExecutor
+    buffer: RolloutBuffer
+    store: "AdapterStore"
+    metrics: "MetricsWriter"
+    global_step: int = 0
+    wall_offset: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+    phase: Phase = Phase.RUNNING
+    error: BaseException | None = None
+    admission: asyncio.Condition = field(default_factory=asyncio.Condition)
+    evals: list[dict] = field(default_factory=list)
+    background: set[asyncio.Task] = field(default_factory=set)
+    charting: bool = False
+
+    # ---- stopping
+    @property
+    def running(self) -> bool:
+        return self.phase is Phase.RUNNING
+
+    def fail(self, error: BaseException) -> None:
+        """The one way a run fails: the first error is kept, and everything stops."""
+        if self.error is None:
+            self.error = error
+        self.phase = Phase.FAILED
+
+    def request_stop(self) -> None:
+        """SIGINT/SIGTERM: finish this step, checkpoint, stop. A second signal aborts at once."""
+        if self.phase is Phase.REQUESTED:
+            raise KeyboardInterrupt
+        if self.running:
+            self.phase = Phase.REQUESTED
+            self.console.print("[yellow]stopping after this step (checkpoint follows); "
+                               "signal again to abort at once[/]")
+
+    def check_limits(self) -> None:
+        """RUNNING becomes DONE once every adapter did its steps or the time budget is spent."""
+        budget = self.config.run.time_budget_s
+        steps_done = all(a.step >= self.config.run.max_steps for a in self.adapters.values())
+        if self.running and (steps_done or (budget is not None and self.wall_s >= budget)):
+            self.phase = Phase.DONE
+
+    def finished(self, adapter: AdapterRun | None = None) -> bool:
+        """Stopping, or this adapter has done its max_steps."""
+        self.check_limits()
+        return not self.running or (adapter is not None and adapter.step >= self.config.run.max_steps)
+
+    # ---- helpers every part uses
+    @property
+    def wall_s(self) -> float:
+        return self.wall_offset + time.perf_counter() - self.started
+
+    async def in_learner(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn` on the learner's thread (the learner is not thread-safe; one thread owns it)."""
+        return await asyncio.get_running_loop().run_in_executor(self.learner_pool, fn, *args)
+
+    def generate(self, request: GenRequest) -> "asyncio.Future[GenResult]":
+        return generate_async(self.generator)(request)  # type: ignore[return-value]
+
+    async def notify(self) -> None:
+        """Wake the producers: admission may have changed."""
+        async with self.admission:
+            self.admission.notify_all()
+
+    def in_background(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+
+def samples_of(groups: list[Group]) -> list[TrainSample]:
+    return [s for g in groups for s in g.samples]

@@ -1,0 +1,164 @@
+"""The training loop against fakes (tests/fakes.py): in-process, a few seconds each.
+
+Admission keeps every trained sample within `max_staleness` versions (0 = synchronous: the
+generator is idle while the learner trains), stale rollouts are aborted, a refused version
+does not stop the run (three in a row do), a dead engine fails the run with its error and a
+checkpoint, SIGTERM stops after the step in a fixed order, and a reward that always fails
+stops the run at once with its error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from lora_async.config import TrainConfig
+from lora_async.metrics import read_metrics
+from lora_async.orchestrator import TrainingError, train
+
+from .fakes import FakeParts
+
+
+def config(tmp_path: Path, **sections: dict) -> TrainConfig:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"item {i}", "answer": "-"}) for i in range(50)))
+    base = {
+        "sampling": {"samples_per_prompt": 4, "max_new_tokens": 8},
+        "generator": {"groups_in_flight": 8},
+        "learner": {"groups_per_step": 2},
+        "run": {"max_steps": 8, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 1,
+                "chart_every": 0},
+        "task": {"type": "jsonl", "path": str(data), "reward": "regex:^x", "heldout": 4},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return TrainConfig.model_validate(base)
+
+
+def run(cfg: TrainConfig, parts: FakeParts, on_step=None) -> dict:
+    return asyncio.run(train(cfg, console=Console(stderr=True, width=200), on_step=on_step, parts=parts))
+
+
+def steps(cfg: TrainConfig) -> list[dict]:
+    return [r for r in read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl") if "kind" not in r]
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_admission_keeps_every_sample_within_max_staleness(tmp_path, staleness):
+    cfg = config(tmp_path, buffer={"max_staleness": staleness})
+    parts = FakeParts(["main"], gen_delay=lambda: 0.02, step_s=0.15)
+    summary = run(cfg, parts)
+    trained = parts.fake_learner.trained
+    assert summary["steps"] == len(trained) == 8
+    lags = [lag for t in trained for lag in t.lags]
+    assert max(lags) <= staleness
+    # the lag stamped on a sample is the learner's version minus the sample's version
+    assert all(lag == t.learner_version - v for t in trained for lag, v in zip(t.lags, t.versions))
+    if staleness == 0:  # synchronous: nothing generates while the learner trains
+        assert all(t.in_flight == 0 for t in trained)
+    else:  # asynchronous: generation runs ahead of the learner, within the bound
+        assert max(lags) == staleness or any(t.in_flight > 0 for t in trained)
+        assert any(t.in_flight > 0 for t in trained)
+    # admission, not the buffer's stale drop, bounds the lag: little generated work is thrown
+    # away (without it producers run far ahead: ~1,800 samples for these 64 trained)
+    trained_samples = 8 * 2 * 4
+    assert summary["samples_in"] < 4 * trained_samples
+    versions = [r["version"] for r in steps(cfg)]
+    assert versions == list(range(1, 9))  # one new version per step, never repeated
+
+
+def test_rollouts_a_step_makes_too_stale_are_aborted(tmp_path):
+    """A long-tailed generation: 1 request in 4 takes 3 s while steps take 0.1 s."""
+    rng = random.Random(1)
+    cfg = config(tmp_path, buffer={"max_staleness": 1}, run={"max_steps": 10})
+    parts = FakeParts(["main"], gen_delay=lambda: 3.0 if rng.random() < 0.25 else 0.01, step_s=0.1)
+    summary = run(cfg, parts)
+    aborted = parts.fake_generator.aborted
+    assert aborted and summary["aborted_stale_groups"] == len(aborted)
+    assert all(lag <= 1 for t in parts.fake_learner.trained for lag in t.lags)
+    assert steps(cfg)[-1]["aborted_stale_groups"] == summary["aborted_stale_groups"]
+
+
+def test_a_refused_transfer_is_counted_sent_again_and_the_run_goes_on(tmp_path):
+    cfg = config(tmp_path)
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.05, damage={2, 3})
+    summary = run(cfg, parts)
+    rows = steps(cfg)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    refused = [r for r in rows if r.get("sync_error")]
+    assert [r["version"] for r in refused] == [2, 3] and "checksum mismatch" in refused[0]["sync_error"]
+    assert all(r["sync_transport"] == "fake" for r in rows)  # each was then delivered
+    assert summary["rejected_versions"] == 2
+    assert parts.fake_generator.live_versions("main") == list(range(0, 9))
+
+
+def test_transfers_refused_three_times_in_a_row_stop_the_run(tmp_path):
+    cfg = config(tmp_path, run={"max_steps": 20})
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.05, refuse={2})
+    with pytest.raises(TrainingError, match="3 transfers in a row refused.*checksum mismatch"):
+        run(cfg, parts)
+    assert len(steps(cfg)) < 20
+
+
+def test_a_dead_engine_stops_the_run_with_its_error_and_a_checkpoint(tmp_path):
+    cfg = config(tmp_path, run={"max_steps": 50, "canary_every": 0})
+    parts = FakeParts(["main"], gen_delay=lambda: 0.05, step_s=0.05)
+
+    def kill_at_step_2(run_):
+        if run_.global_step == 2:
+            parts.fake_generator.kill()
+
+    with pytest.raises(TrainingError, match="engine"):
+        run(cfg, parts, on_step=kill_at_step_2)
+    checkpoints = Path(cfg.run.output_dir) / "checkpoints"
+    state = json.loads((checkpoints / (checkpoints / "LATEST").read_text() / "state.json").read_text())
+    assert 2 <= state["step"] < 50
+    summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
+    assert "engine" in summary["error"]
+
+
+def test_sigterm_stops_after_the_step_in_order(tmp_path):
+    cfg = config(tmp_path, run={"max_steps": 50, "checkpoint_every": 0})
+    parts = FakeParts(["main"], gen_delay=lambda: 0.02, step_s=0.05)
+
+    def terminate_at_step_3(run_):
+        if run_.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    summary = run(cfg, parts, on_step=terminate_at_step_3)
+    assert 3 <= summary["steps"] < 50 and "error" not in summary
+    rows = steps(cfg)
+    assert len(rows) == summary["steps"]  # every step trained has its metrics line
+    events = parts.events
+    last = f"main@v{summary['version']}"
+    # the last version is published, then checkpointed, then the transport, then the engine close
+    order = [events.index(f"publish {last}"), events.index(f"checkpoint {last}"),
+             events.index("transport.close"), events.index("generator.close")]
+    assert order == sorted(order)
+    assert (Path(cfg.run.output_dir) / "adapters" / "main" / "final" / "adapter_config.json").is_file()
+
+
+REWARDS = '''
+def broken(prompt, completion, answer):
+    return undefined_helper(completion)  # a bad name inside the reward
+'''
+
+
+def test_a_reward_that_always_fails_stops_the_run_with_its_error(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_rewards.py").write_text(REWARDS)
+    monkeypatch.chdir(tmp_path)  # user reward modules are imported from the working directory
+    cfg = config(tmp_path, task={"reward": "broken_rewards:broken"}, run={"max_steps": 20})
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.05)
+    with pytest.raises(TrainingError, match="every reward call of the first step failed.*NameError"):
+        run(cfg, parts)
+    assert parts.fake_learner.trained == []  # nothing was trained on the zeros
+    err = capsys.readouterr().err
+    shown = [line for line in err.splitlines() if "the reward failed" in line]
+    assert len(shown) == 1 and "NameError" in shown[0] and "undefined_helper" in shown[0]
