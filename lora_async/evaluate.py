@@ -86,9 +86,9 @@ def eval_engine(config: "TrainConfig", max_lora_rank: int,
     if config.generator.engine_home == "server":
         raise ValueError('evaluation starts its own vLLM engine: give it a config with generator.type = "vllm"')
     model_dir = resolve_model(config.model.name)
-    spec = EngineSpec.from_config(config, model_dir, adapters=adapters, max_staleness=0,
-                                  max_lora_rank=max_lora_rank, separate_process=False)
     placement = resolve(config.generator.device, None, config.learner.device, None, concurrent=False)[0]
+    spec = EngineSpec.from_config(config, model_dir, placement.device, adapters=adapters, max_staleness=0,
+                                  max_lora_rank=max_lora_rank, separate_process=False)
     with VllmGenerator(spec, placement) as generator:
         yield EvalEngine(generator, AutoTokenizer.from_pretrained(model_dir))
 

@@ -199,11 +199,12 @@ class MetricsWriter:
         """The one-line step summary for logs."""
         who = f"{row['adapter']} " if len(self._adapters) > 1 else ""
         accuracy = self._accuracy.get(row["adapter"])
-        return (f"{who}step {row['step']}/{self.limits.max_steps} v{row.get('version')}  "
+        _, _, limit = self._nearer_limit(row["step"], row["wall_s"])
+        return (f"{who}step {row['step']} ({limit}) v{row.get('version')}  "
                 f"reward {row.get('reward_mean') or 0:.3f}"
                 + (f"  accuracy {accuracy:.2f}" if accuracy is not None else "")
                 + f"  {tps:.0f} tok/s  lag {row.get('policy_lag_mean') or 0:.1f}"
-                f"  sync {row.get('sync_ms') or 0:.1f} ms  wall {row['wall_s']:.0f} s")
+                f"  sync {row.get('sync_ms') or 0:.1f} ms")
 
     def _nearer_limit(self, step: int, wall_s: float) -> tuple[float, float, str]:
         """(completed, total, text) of whichever limit will end the run first at this pace."""

@@ -19,7 +19,9 @@ QUIET_ENV = {
     "TORCH_CPP_LOG_LEVEL": "ERROR",  # torch's C++ warnings (vLLM's CPU worker: "NUMA binding ...")
 }
 NOISY_MODULES = r"(vllm|triton|torch|transformers|peft|bitsandbytes|pydantic)(\..*)?$"
-QUIET_LOGGERS = ("bitsandbytes",)  # "Failed to load CPU gemm_4bit_forward from kernels-community"
+# bitsandbytes: "Failed to load CPU gemm_4bit_forward from kernels-community"; vllm: warnings logged
+# at import, before vLLM configures its own logging from VLLM_LOGGING_LEVEL ("Triton is installed ...")
+QUIET_LOGGERS = ("bitsandbytes", "vllm")
 
 
 def quiet_start(engine_log: bool) -> None:

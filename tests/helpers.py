@@ -33,7 +33,7 @@ def publish(engine, version: AdapterVersion) -> PublishStats:
     """The in-process path a training run takes (validate, owned tensors, register)."""
     from lora_async.sync.transports import InprocTransport
 
-    return InprocTransport(engine, engine.spec.dtype).publish(version)
+    return InprocTransport(engine).publish(version)
 
 
 def generate(generator, request: GenRequest, timeout: float = 120.0) -> GenResult:

@@ -41,7 +41,7 @@ def engine(tiny_model):
     from lora_async.generator.engine import EngineSpec, VllmGenerator
     from lora_async.placement import Placement
 
-    generator = VllmGenerator(EngineSpec.from_config(fleet_config(tiny_model), tiny_model), Placement("cpu", None))
+    generator = VllmGenerator(EngineSpec.from_config(fleet_config(tiny_model), tiny_model, "cpu"), Placement("cpu", None))
     yield generator
     generator.close()
 
@@ -54,7 +54,7 @@ def test_lora_slots_are_sized_from_the_config(engine, tiny_model):
     assert engine.lora_slots() == (3 * (1 + 1) + 1, 3 * (1 + 1) + 1 + 3)
     from lora_async.generator.engine import EngineSpec
 
-    wider = EngineSpec.from_config(fleet_config(tiny_model, max_staleness=2), tiny_model)
+    wider = EngineSpec.from_config(fleet_config(tiny_model, max_staleness=2), tiny_model, "cpu")
     assert (wider.max_loras, wider.max_cpu_loras) == (3 * 3 + 1, 3 * 3 + 1 + 3)
 
 GREEDY = dict(temperature=0.0, n=1)

@@ -47,7 +47,7 @@ def reference(tiny_model):
     spec = EngineSpec(model_dir=tiny_model, adapters=("ref",), max_staleness=1, max_lora_rank=8,
                       kv_cache_gb=0.25, max_model_len=512, seed=0)
     with VllmGenerator(spec, Placement("cpu", None)) as engine:
-        transport = InprocTransport(engine, spec.dtype)
+        transport = InprocTransport(engine)
         out = {}
         for version, seed in enumerate(SEEDS):
             assert transport.publish(random_adapter(tiny_model, "ref", version, seed=seed)).transport == "inproc"
@@ -72,7 +72,7 @@ def separate_engine(tiny_model, reference):
 def gloo(separate_engine):
     from lora_async.sync.collective import CollectiveTransport
 
-    transport = CollectiveTransport(separate_engine, "bfloat16", backend="gloo", timeout_s=20)
+    transport = CollectiveTransport(separate_engine, backend="gloo", timeout_s=20)
     yield transport
     transport.close()
 
@@ -88,7 +88,7 @@ def test_inproc_tensors_cannot_cross_into_a_separate_engine(separate_engine):
     from lora_async.sync.transports import InprocTransport, TransportError
 
     with pytest.raises(TransportError, match="own process"):
-        InprocTransport(separate_engine, "bfloat16")
+        InprocTransport(separate_engine)
 
 
 @pytest.mark.parametrize("kind", ["shm", "gloo"])
@@ -96,7 +96,7 @@ def test_cross_process_transport_serves_what_inproc_serves(kind, separate_engine
     from lora_async.sync.transports import ShmTransport
 
     adapter = {"shm": "s", "gloo": "g"}[kind]
-    transport = ShmTransport(separate_engine, "bfloat16") if kind == "shm" else gloo
+    transport = ShmTransport(separate_engine) if kind == "shm" else gloo
     try:
         for version, seed in enumerate(SEEDS):
             stats = transport.publish(random_adapter(tiny_model, adapter, version, seed=seed))
@@ -133,14 +133,14 @@ def test_a_corrupted_transfer_is_rejected_and_the_previous_version_keeps_serving
         how, separate_engine, tiny_model, reference):
     from lora_async.sync.transports import ShmTransport
 
-    good = ShmTransport(separate_engine, "bfloat16")
+    good = ShmTransport(separate_engine)
     try:
         if not separate_engine.registry.versions("x"):
             good.publish(random_adapter(tiny_model, "x", 0, seed=SEEDS[0]))
         before = first_tokens(separate_engine, "x")
         rejected = separate_engine.stats.rejected_versions
         ids = separate_engine.engine_lora_ids()
-        bad = _Sabotaged(how).wrap(ShmTransport(separate_engine, "bfloat16"))
+        bad = _Sabotaged(how).wrap(ShmTransport(separate_engine))
         newest = max(separate_engine.registry.versions("x"))
         with pytest.raises(PackError, match="checksum mismatch" if how == "flip" else "truncated"):
             bad.publish(random_adapter(tiny_model, "x", newest + 1, seed=SEEDS[1]))
@@ -158,7 +158,7 @@ def test_a_receiver_that_stops_answering_times_out_with_a_clear_error(separate_e
     from lora_async.sync.collective import CollectiveTransport
     from lora_async.sync.transports import TransportError
 
-    stalled = CollectiveTransport(separate_engine, "bfloat16", backend="gloo", timeout_s=3)
+    stalled = CollectiveTransport(separate_engine, backend="gloo", timeout_s=3)
     stalled._loader_inner = stalled._loader
 
     def never_receives(packed, meta):

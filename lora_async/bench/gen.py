@@ -58,7 +58,7 @@ def run_gen_bench(model: str, prompts: int = 64, tokens: int = 64, reps: int = 3
                           separate_process=True, max_num_seqs=prompts)
         with VllmGenerator(spec, Placement("cpu", parse_cpus(cpus) if cpus else None)) as gen:
             if with_lora:
-                transport = ShmTransport(gen, spec.dtype)
+                transport = ShmTransport(gen)
                 transport.publish(adapter)
                 transport.close()
             name = "bench" if with_lora else None

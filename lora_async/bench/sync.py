@@ -173,9 +173,8 @@ def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: lis
                     finally:
                         shutil.rmtree(root, ignore_errors=True)
                     continue
-                sender = {"inproc": lambda: InprocTransport(gen, gen.spec.dtype),
-                          "shm": lambda: ShmTransport(gen, gen.spec.dtype),
-                          "gloo": lambda: CollectiveTransport(gen, gen.spec.dtype, backend="gloo")}[transport]()
+                sender = {"inproc": lambda: InprocTransport(gen), "shm": lambda: ShmTransport(gen),
+                          "gloo": lambda: CollectiveTransport(gen, backend="gloo")}[transport]()
                 try:
                     rows.append(_measure(gen, transport, rank, _prepared(sender.publish, make), name, versions,
                                          fresh))

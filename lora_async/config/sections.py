@@ -41,8 +41,9 @@ Cpus = Annotated[Union[str, None], AfterValidator(check_cpus)]  # 'auto', a core
 
 class ModelConfig(Section):
     name: str = Field("smollm2-135m", description="Embedded model name, local HF directory, or hub id.")
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="Dtype of the frozen base weights (learner and generator)."
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Dtype vLLM serves the base in; 'auto': bfloat16 where the device computes it "
+                            "natively (GPUs, CPUs with AVX512-BF16/AMX), else float32."
     )
 
 
@@ -94,8 +95,8 @@ class LearnerConfig(Section):
         description="Max micro-batches per step; groups that do not fit wait for the next step.",
     )
     grad_clip: float = Field(1.0, gt=0.0, le=1e6, description="Max global gradient norm.")
-    dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="Compute dtype of the learner's frozen base."
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="Compute dtype of the learner's frozen base; 'auto' as model.dtype decides."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     logprob_chunk: int = Field(

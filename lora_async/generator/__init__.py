@@ -30,4 +30,4 @@ def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement
         return ServerGenerator.from_config(config, model_dir)
     from .engine import EngineSpec, VllmGenerator
 
-    return VllmGenerator(EngineSpec.from_config(config, model_dir), placement)
+    return VllmGenerator(EngineSpec.from_config(config, model_dir, placement.device), placement)

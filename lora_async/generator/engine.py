@@ -55,18 +55,21 @@ class EngineSpec:
     separate_process: bool = False  # the engine core (and its worker) in a child process
 
     @classmethod
-    def from_config(cls, config: "TrainConfig", model_dir: Path, *, adapters: tuple[str, ...] | None = None,
-                    max_staleness: int | None = None, max_lora_rank: int | None = None,
-                    separate_process: bool | None = None) -> "EngineSpec":
-        """The engine a run's `[generator]` (type "vllm") describes; evaluation engines override
-        the adapters, the staleness window, the rank and the process."""
+    def from_config(cls, config: "TrainConfig", model_dir: Path, device: str, *,
+                    adapters: tuple[str, ...] | None = None, max_staleness: int | None = None,
+                    max_lora_rank: int | None = None, separate_process: bool | None = None) -> "EngineSpec":
+        """The engine a run's `[generator]` (type "vllm") describes on `device`; evaluation
+        engines override the adapters, the staleness window, the rank and the process."""
+        from ..dtypes import resolve_dtype
+
         gen = config.generator
         return cls(
             model_dir=Path(model_dir),
             adapters=tuple(config.adapter_names) if adapters is None else adapters,
             max_staleness=config.buffer.max_staleness if max_staleness is None else max_staleness,
             max_lora_rank=config.max_lora_rank if max_lora_rank is None else max_lora_rank,
-            dtype=config.model.dtype, memory_fraction=gen.memory_fraction, kv_cache_gb=gen.kv_cache_gb,
+            dtype=resolve_dtype(config.model.dtype, device), memory_fraction=gen.memory_fraction,
+            kv_cache_gb=gen.kv_cache_gb,
             max_model_len=gen.max_model_len, seed=config.run.seed, fast_cpu_lora=gen.fast_cpu_lora,
             engine_log=config.run.engine_log,
             separate_process=gen.engine_process == "separate" if separate_process is None else separate_process,

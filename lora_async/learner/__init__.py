@@ -19,7 +19,7 @@ import torch
 
 from ..buffer import TrainSample
 from ..config import LearnerConfig, LoraConfig, LossConfig
-from ..dtypes import torch_dtype
+from ..dtypes import resolve_dtype, torch_dtype
 from ..generator.types import AdapterVersion
 from ..generator.validate import peft_config_dict
 from ..loss import LossStats, policy_loss
@@ -72,7 +72,8 @@ class Learner:
         self.device = torch.device(placement.device)
         torch.manual_seed(seed)
         # sdpa takes the boolean 4-D prompt-tree masks built in `build_micro_batch` as they are.
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(learner.dtype),
+        self.dtype = resolve_dtype(learner.dtype, placement.device)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(self.dtype),
                                                     attn_implementation="sdpa")
         base.to(self.device)
         if learner.gradient_checkpointing:

@@ -27,12 +27,12 @@ JOIN_GRACE_S = 5.0  # beyond the transport timeout, how long a broadcast thread 
 
 
 class CollectiveTransport(PackingTransport):
-    def __init__(self, generator: "VllmGenerator", dtype: str, backend: str = "nccl", device: str = "cpu",
+    def __init__(self, generator: "VllmGenerator", backend: str = "nccl", device: str = "cpu",
                  checksum: bool = True, timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
         if backend == "nccl" and (not device.startswith("cuda") or not torch.cuda.is_available()):
             raise TransportError("sync.backend 'nccl' needs the learner on a GPU (learner.device = 'cuda:N'); "
                                  "use sync.backend = 'gloo' on CPU")
-        super().__init__(generator, dtype, checksum, timeout_s)
+        super().__init__(generator, checksum, timeout_s)
         self.name = "nccl" if backend == "nccl" else "gloo"
         self.device = device if backend == "nccl" else "cpu"
         world = 1 + generator.run_in_engine(lambda client: client.workers())

@@ -65,11 +65,11 @@ class InprocTransport:
 
     name = "inproc"
 
-    def __init__(self, generator: "VllmGenerator", dtype: str) -> None:
+    def __init__(self, generator: "VllmGenerator") -> None:
         if generator.spec.separate_process:
             raise TransportError("the engine runs in its own process: in-process tensors cannot reach it "
                                  "(use sync.transport 'shm', 'nccl' or 'cuda-ipc')")
-        self.generator, self.dtype = generator, torch_dtype(dtype)
+        self.generator, self.dtype = generator, torch_dtype(generator.spec.dtype)
 
     def publish(self, version: AdapterVersion) -> PublishStats:
         started = time.perf_counter()
@@ -99,9 +99,9 @@ class PackingTransport:
     name = "?"
     device = "cpu"  # where the packing buffer lives
 
-    def __init__(self, generator: "VllmGenerator", dtype: str, checksum: bool, timeout_s: float) -> None:
+    def __init__(self, generator: "VllmGenerator", checksum: bool, timeout_s: float) -> None:
         self.generator = generator
-        self.dtype = torch_dtype(dtype)
+        self.dtype = torch_dtype(generator.spec.dtype)  # tensors travel in the dtype vLLM serves
         self.checksum = checksum
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -149,8 +149,8 @@ class ShmTransport(PackingTransport):
 
     name = "shm"
 
-    def __init__(self, generator: "VllmGenerator", dtype: str, checksum: bool = True, timeout_s: float = 60.0) -> None:
-        super().__init__(generator, dtype, checksum, timeout_s)
+    def __init__(self, generator: "VllmGenerator", checksum: bool = True, timeout_s: float = 60.0) -> None:
+        super().__init__(generator, checksum, timeout_s)
         self._segment: Any = None
         self._tensor: torch.Tensor | None = None
 
@@ -189,10 +189,10 @@ class CudaIpcTransport(PackingTransport):
 
     name = "cuda-ipc"
 
-    def __init__(self, generator: "VllmGenerator", dtype: str, device: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, generator: "VllmGenerator", device: str, timeout_s: float = 60.0) -> None:
         if not device.startswith("cuda") or not torch.cuda.is_available():
             raise TransportError("cuda-ipc needs the learner on a CUDA device (learner.device = 'cuda:N')")
-        super().__init__(generator, dtype, False, timeout_s)
+        super().__init__(generator, False, timeout_s)
         self.device = device
 
     def _loader(self, packed: PackedAdapter, meta: dict) -> Loader:
@@ -209,19 +209,19 @@ def make_transport(config: "TrainConfig", generator: "Generator", learner_device
     The config validated that the transport fits the generator (`needs` vs `engine_home`)."""
     from ..config import CudaIpcSync, HttpSync, InprocSync, NcclSync, ShmSync
 
-    sync, dtype = config.sync_config, config.model.dtype
+    sync = config.sync_config
     match sync:
         case InprocSync():
-            return InprocTransport(generator, dtype)  # type: ignore[arg-type]
+            return InprocTransport(generator)  # type: ignore[arg-type]
         case ShmSync():
-            return ShmTransport(generator, dtype, sync.checksum, sync.timeout_s)  # type: ignore[arg-type]
+            return ShmTransport(generator, sync.checksum, sync.timeout_s)  # type: ignore[arg-type]
         case NcclSync():
             from .collective import CollectiveTransport
 
-            return CollectiveTransport(generator, dtype, sync.backend, learner_device, sync.checksum,  # type: ignore[arg-type]
+            return CollectiveTransport(generator, sync.backend, learner_device, sync.checksum,  # type: ignore[arg-type]
                                        sync.timeout_s)
         case CudaIpcSync():
-            return CudaIpcTransport(generator, dtype, learner_device, sync.timeout_s)  # type: ignore[arg-type]
+            return CudaIpcTransport(generator, learner_device, sync.timeout_s)  # type: ignore[arg-type]
         case HttpSync():
             from .http import HttpTransport
 
