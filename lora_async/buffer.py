@@ -122,16 +122,6 @@ class RolloutBuffer:
                     self.counters.groups_out += 1
                     return group
 
-    def take_nowait(self, adapter: str, learner_version: int) -> Group | None:
-        queue = self._queues.get(adapter)
-        while queue:
-            group = queue.popleft()
-            self._tokens -= group.tokens
-            if self.admit(group, learner_version):
-                self.counters.groups_out += 1
-                return group
-        return None
-
     def admit(self, group: Group, learner_version: int) -> bool:
         """Stamp policy_lag; apply the stale policy. False means the group was dropped."""
         lag = learner_version - group.version

@@ -25,8 +25,9 @@ def torch_dtype(name: str) -> torch.dtype:
 def native_bf16(device: str) -> bool:
     """Whether `device` computes in bfloat16 at full speed.
 
-    CPUs without AVX512-BF16 or AMX emulate it: measured on a 2-core AVX2 machine, a bf16
-    matmul ran 70x slower than fp32, a learner step 20x, vLLM decoding 5x (bench/RESULTS.md)."""
+    CPUs without AVX512-BF16 or AMX emulate it: on a 2-core AVX2 machine a bf16 matmul ran 69x
+    slower than fp32, a learner step 15x, vLLM decoding 4.4x (`bench/dtype_check.py`,
+    bench/RESULTS.md section 6)."""
     if device.startswith("cuda"):
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     try:

@@ -17,6 +17,8 @@ QUIET_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bars
     "TORCH_CPP_LOG_LEVEL": "ERROR",  # torch's C++ warnings (vLLM's CPU worker: "NUMA binding ...")
+    # child processes (an engine core of its own, `vllm serve`) do not inherit warning filters
+    "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
 }
 NOISY_MODULES = r"(vllm|triton|torch|transformers|peft|bitsandbytes|pydantic)(\..*)?$"
 # bitsandbytes: "Failed to load CPU gemm_4bit_forward from kernels-community"; vllm: warnings logged

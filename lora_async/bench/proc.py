@@ -176,12 +176,6 @@ def _log_lines(log: Path) -> list[str] | None:
         return None
 
 
-def log_tail(log: Path, lines: int = 15) -> str:
-    """The last `lines` lines of a log ('' if there is none)."""
-    text = _log_lines(log)
-    return "\n".join(text[-lines:]) if text else ""
-
-
 def last_error(log: Path) -> str:
     """The most telling line of a failed run's log: its last exception line, else the last line."""
     text = _log_lines(log)

@@ -13,6 +13,14 @@ from .common import CONFIG_HELP, SET_HELP, fail, load_or_exit
 bench_app = typer.Typer(help="Benchmarks (figures go to bench/RESULTS.md).", no_args_is_help=True)
 
 
+@bench_app.callback()
+def quiet() -> None:
+    """Benchmarks print their figures; the libraries' start-up chatter is hidden (see quiet.py)."""
+    from ..quiet import quiet_start
+
+    quiet_start(engine_log=False)
+
+
 SYNC_TRANSPORTS = ("inproc", "peft-dir-disk", "peft-dir-devshm", "full-reload", "shm", "gloo", "http",
                    "cuda-ipc", "nccl")
 

@@ -80,13 +80,6 @@ class VersionRegistry:
         live.in_flight += 1
         return live
 
-    def acquire_version(self, adapter: str, version: int) -> LiveVersion:
-        live = self._live.get(adapter, {}).get(version)
-        if live is None:
-            raise RegistryError(f"{adapter}@v{version} is not live")
-        live.in_flight += 1
-        return live
-
     def release(self, live: LiveVersion) -> bool:
         """One request on `live` ended. True when the version should be retired now (drained
         and outside the window)."""

@@ -125,17 +125,12 @@ class PublishStats:
     wait_ms: float = 0.0  # waiting for the engine to finish its current step (never a pause)
     transport: str = "inproc"
 
-    @property
-    def total_ms(self) -> float:
-        return self.ms + self.wait_ms
-
 
 class GeneratorStats:
     """What every generator counts; updated from several threads, so under a lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._started_at = time.perf_counter()
         self.requests = 0
         self.aborted = 0
         self.tokens = 0
@@ -146,10 +141,6 @@ class GeneratorStats:
         with self._lock:
             for key, value in deltas.items():
                 setattr(self, key, getattr(self, key) + value)
-
-    def busy_fraction(self) -> float:
-        elapsed = time.perf_counter() - self._started_at
-        return self.busy_s / elapsed if elapsed > 0 else 0.0
 
 
 class Generator(Protocol):
