@@ -132,10 +132,9 @@ def run_eval(config: "TrainConfig", adapter_dir: Path | None, limit: int = 0, na
                 problems = task.heldout()[: limit or None]
                 if not problems:
                     raise ValueError(f"{spec.name}: the task has no held-out problems (set its heldout)")
-                max_tokens = config.run.eval_max_tokens or spec.sampling.max_new_tokens
                 runs = [(None, "base")] + ([(EVAL_ADAPTER, str(adapter_dir))] if adapter_dir is not None else [])
                 for adapter, label in runs:
-                    result = engine.run(task, problems, adapter, max_tokens)
+                    result = engine.run(task, problems, adapter, spec.eval_max_tokens)
                     results.append({"adapter": spec.name, "task": spec.task.type, "model": label,
                                     "accuracy": result.accuracy, "mean_reward": result.mean_reward,
                                     "n": result.n, "examples": result.examples})

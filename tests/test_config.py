@@ -54,8 +54,9 @@ def test_lora_rank_is_rounded_for_vllm():
 
 
 def test_eval_max_tokens_falls_back_to_sampling():
-    assert load_config(None, ["sampling.max_new_tokens=20"]).eval_max_tokens == 20
-    assert load_config(None, ["sampling.max_new_tokens=20", "run.eval_max_tokens=40"]).eval_max_tokens == 40
+    assert load_config(None, ["sampling.max_new_tokens=20"]).adapter_specs[0].eval_max_tokens == 20
+    assert load_config(None, ["sampling.max_new_tokens=20",
+                              "run.eval_max_tokens=40"]).adapter_specs[0].eval_max_tokens == 40
 
 
 @pytest.mark.parametrize("text, field", [
@@ -220,6 +221,7 @@ def test_fleet_specs_resolve_overrides(tmp_path):
     assert (b.name, b.lora.rank, b.lr, b.weight, b.task.ops) == ("b", 16, 5e-4, 2.0, ["-"])
     # b sets only max_new_tokens: the rest is the top-level [sampling], not SamplingConfig's defaults.
     assert (b.sampling.max_new_tokens, b.sampling.temperature, b.sampling.samples_per_prompt) == (7, 0.7, 8)
+    assert (a.eval_max_tokens, b.eval_max_tokens) == (a.sampling.max_new_tokens, 7)  # eval follows each override
     # Nothing is written back into the fields.
     assert cfg.sampling.max_new_tokens == 20 and cfg.adapters[1].sampling.temperature == 1.0
     assert cfg.max_lora_rank == 16 and cfg.adapter_names == ["a", "b"]

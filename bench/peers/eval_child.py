@@ -37,7 +37,7 @@ def score_snapshots(config: Any, snaps: list[dict[str, Any]]) -> list[dict[str, 
         with eval_engine(config, vllm_rank(rank)) as engine:
             for version, snap in enumerate(snaps):
                 engine.load_dir(EVAL_SLOT, version, Path(snap["path"]))
-                result = engine.run(task, problems, EVAL_SLOT, config.eval_max_tokens)
+                result = engine.run(task, problems, EVAL_SLOT, config.adapter_specs[0].eval_max_tokens)
                 rows.append({"kind": "eval", "when": snap["when"], "adapter": ADAPTER, "step": snap["step"],
                              "version": snap["step"], "wall_s": snap["wall_s"], "accuracy": result.accuracy,
                              "mean_reward": result.mean_reward, "n": result.n})

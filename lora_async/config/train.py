@@ -40,6 +40,7 @@ class AdapterSpec:
     lr: float
     weight: float
     sampling: SamplingConfig
+    eval_max_tokens: int  # run.eval_max_tokens, or this adapter's sampling.max_new_tokens
 
 
 class TrainConfig(Section):
@@ -129,23 +130,21 @@ class TrainConfig(Section):
     def adapter_specs(self) -> list[AdapterSpec]:
         """Every adapter of the run, overrides resolved (one entry for a single-adapter run)."""
         if self.adapters is None:
-            return [AdapterSpec(self.adapter.name, self.task, self.lora, self.learner.lr, 1.0, self.sampling)]
+            return [AdapterSpec(self.adapter.name, self.task, self.lora, self.learner.lr, 1.0, self.sampling,
+                                self.run.eval_max_tokens or self.sampling.max_new_tokens)]
         specs = []
         for entry in self.adapters:
             # Only the fields the entry sets override [sampling]; the rest are not SamplingConfig's defaults.
             own = entry.sampling.model_dump(include=entry.sampling.model_fields_set)
             sampling = self.sampling.model_copy(update=own)
             lr = self.learner.lr if entry.lr is None else entry.lr
-            specs.append(AdapterSpec(entry.name, entry.task, entry.lora or self.lora, lr, entry.weight, sampling))
+            specs.append(AdapterSpec(entry.name, entry.task, entry.lora or self.lora, lr, entry.weight, sampling,
+                                     self.run.eval_max_tokens or sampling.max_new_tokens))
         return specs
 
     @property
     def adapter_names(self) -> list[str]:
         return [spec.name for spec in self.adapter_specs]
-
-    @property
-    def eval_max_tokens(self) -> int:
-        return self.run.eval_max_tokens or self.sampling.max_new_tokens
 
     @property
     def max_lora_rank(self) -> int:

@@ -66,9 +66,8 @@ class LocalParts:
 
     def describe(self) -> str:
         config = self.config
-        where = self.where
         return (f"model {config.model.name} ({self.model_dir}); adapters {', '.join(config.adapter_names)}\n"
-                f"generator on {where}, learner on {self.learner_placement.describe()}, "
+                f"generator on {self.where}, learner on {self.learner_placement.describe()}, "
                 f"max_staleness {config.buffer.max_staleness}")
 
     def tokenizer(self) -> Any:

@@ -50,9 +50,8 @@ async def eval_event(run: Run, adapter: AdapterRun, when: str, after: asyncio.Ta
     """Held-out greedy accuracy of the adapter's servable version (an `eval` metrics line)."""
     if after is not None:
         await after  # evaluate the version this step produced, once it is servable
-    max_tokens = run.config.run.eval_max_tokens or adapter.spec.sampling.max_new_tokens
     result = await evaluate(run.generate, run.tokenizer, adapter.task, adapter.task.heldout(), adapter.name,
-                            max_tokens)
+                            adapter.spec.eval_max_tokens)
     row = {"kind": "eval", "when": when, "adapter": adapter.name, "step": adapter.step, "version": result.version,
            "wall_s": round(run.wall_s, 3), "accuracy": result.accuracy, "mean_reward": result.mean_reward,
            "n": result.n}
