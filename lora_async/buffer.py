@@ -1,9 +1,11 @@
 """The rollout buffer: finished groups waiting for the learner, bounded by tokens.
 
-Every sample carries its adapter and the version that generated it. Staleness is decided when
-the learner takes a group (that is when the lag is known): groups more than `max_staleness`
-versions behind are dropped, or admitted for importance correction (`is-correct`). Every drop
-and every stale admission is counted. One queue per adapter; the token bound is shared.
+Every sample carries its adapter and, token by token, the version that sampled it (an episode
+may move to newer versions between turns, or within a turn with partial rollouts). Staleness
+is decided when the learner takes a group (that is when the lag is known) and counts the
+*oldest* trained token: groups more than `max_staleness` versions behind are dropped, or
+admitted for importance correction (`is-correct`). Every drop and every stale admission is
+counted. One queue per adapter; the token bound is shared.
 """
 
 from __future__ import annotations
@@ -15,30 +17,63 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TrainSample:
+    """One trajectory: an opening prompt (shared by its group) and everything after it.
+
+    In a single-turn task every completion token was sampled by one version. In an episode the
+    completion interleaves sampled tokens (trained) with environment, tool and template tokens
+    (context only), and the sampled ones may come from several versions; `trained` and
+    `versions` say which, token by token.
+    """
+
     adapter: str
-    version: int  # adapter version that generated every token
+    version: int  # the oldest version that sampled a trained token (its staleness)
     prompt_ids: list[int]
     completion_ids: list[int]
-    logprobs: list[float]  # behaviour logprobs from vLLM, one per completion token
+    logprobs: list[float]  # behaviour logprob of each completion token (0.0 for context tokens)
     reward: float
     advantage: float = 0.0
     finish_reason: str = "stop"
     policy_lag: int = 0  # learner version at training time minus `version` (set on take)
     stale: bool = False  # older than max_staleness, admitted for importance correction
+    trained: list[bool] | None = None  # per completion token: sampled by the model (None: all were)
+    versions: list[int] | None = None  # per completion token: the version that sampled it (None: `version`)
 
     @property
     def tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
+    def token_trained(self) -> list[bool]:
+        return [True] * len(self.completion_ids) if self.trained is None else self.trained
+
+    def token_versions(self) -> list[int]:
+        return [self.version] * len(self.completion_ids) if self.versions is None else self.versions
+
+    def token_lags(self) -> list[int]:
+        """Each completion token's own lag: the sample's lag, less how much newer its version is."""
+        return [self.policy_lag - (v - self.version) for v in self.token_versions()]
+
+    @property
+    def trained_tokens(self) -> int:
+        return len(self.completion_ids) if self.trained is None else sum(self.trained)
+
+    @property
+    def version_span(self) -> int:
+        """Newest minus oldest version among the trained tokens (0 for a single-turn sample)."""
+        if self.versions is None:
+            return 0
+        sampled = [v for v, t in zip(self.versions, self.token_trained()) if t]
+        return max(sampled) - min(sampled) if sampled else 0
+
 
 @dataclass
 class Group:
-    """All samples for one prompt, generated together by one adapter version."""
+    """All samples for one prompt (one problem: GRPO normalises rewards within it)."""
 
     adapter: str
-    version: int
+    version: int  # the oldest version of any trained token in the group
     problem_index: int
     samples: list[TrainSample]
+    episodes: list[dict[str, float]] = field(default_factory=list)  # per-episode figures (environments)
 
     @property
     def tokens(self) -> int:
@@ -123,11 +158,11 @@ class RolloutBuffer:
                     return group
 
     def admit(self, group: Group, learner_version: int) -> bool:
-        """Stamp policy_lag; apply the stale policy. False means the group was dropped."""
-        lag = learner_version - group.version
-        stale = lag > self.max_staleness
+        """Stamp policy_lag; apply the stale policy (on the group's oldest trained token). False
+        means the group was dropped."""
+        stale = learner_version - group.version > self.max_staleness
         for sample in group.samples:
-            sample.policy_lag = lag
+            sample.policy_lag = learner_version - sample.version
             sample.stale = stale
         if not stale:
             return True

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
+from .envs.episode import EpisodeSettings, Trajectory
+from .envs.source import EnvSource
 from .generator.types import GenRequest, GenResult, generate_async
 from .tasks import Problem, Task, render_prompt
 
@@ -33,6 +35,57 @@ class EvalResult:
     mean_reward: float
     n: int
     examples: list[tuple[str, str, str]]  # (prompt, completion, answer), a few for display
+    extra: dict[str, float] = field(default_factory=dict)  # environments: turns, tool calls
+
+
+async def evaluate_task(generate: Callable[[GenRequest], Awaitable[GenResult]], tokenizer: Any,
+                        task: "Task | EnvSource", spec: "AdapterSpec", config: "TrainConfig", adapter: str | None,
+                        limit: int = 0) -> EvalResult:
+    """Held-out evaluation of `adapter` (None = the base) on an adapter's task: greedy
+    completions for a single-turn task, greedy episodes for an environment."""
+    if isinstance(task, EnvSource):
+        return await evaluate_episodes(generate, tokenizer, task, task.heldout()[: limit or None], adapter,
+                                       EpisodeSettings.for_adapter(config, spec, greedy=True))
+    return await evaluate(generate, tokenizer, task, task.heldout()[: limit or None], adapter, spec.eval_max_tokens)
+
+
+async def evaluate_episodes(generate: Callable[[GenRequest], Awaitable[GenResult]], tokenizer: Any,
+                            source: EnvSource, indices: list[int], adapter: str | None,
+                            settings: EpisodeSettings) -> EvalResult:
+    """Greedy episodes on the held-out split: success rate (`accuracy`), turns and tool use."""
+    played = await asyncio.gather(*(source.play(i, "eval", tokenizer, settings, generate, adapter, None)
+                                    for i in indices), return_exceptions=True)
+    failed = next((p for p in played if isinstance(p, BaseException)), None)
+    if failed is not None:
+        raise RuntimeError(f"evaluation episode failed: {failed}")
+    episodes: list[Trajectory] = list(played)  # type: ignore[arg-type]
+    n = len(episodes)
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / n if n else 0.0
+
+    return EvalResult(
+        adapter=adapter, version=None, accuracy=mean([float(t.success) for t in episodes]),
+        mean_reward=mean([t.reward for t in episodes]), n=n,
+        examples=[transcript(t) for t in episodes[:EXAMPLES]],
+        extra={"turns_mean": mean([t.turns for t in episodes]), "tool_calls_mean": mean([t.tool_calls for t in episodes]),
+               "tool_call_rate": mean([float(t.tool_calls > 0) for t in episodes]),
+               "env_errors": sum(t.outcome == "env_error" for t in episodes),
+               "truncated_episodes": sum(t.outcome == "truncated" for t in episodes)})
+
+
+def transcript(t: Trajectory) -> tuple[str, str, str]:
+    """(the opening user message, the model's replies and the answers to them, the outcome)."""
+    opening = next((m["content"] for m in t.messages if m["role"] == "user"), "")
+    seen = False
+    lines = []
+    for m in t.messages:
+        if m["role"] == "user" and not seen:
+            seen = True
+            continue
+        if seen:
+            lines.append(f"[{m['role']}] {m['content']}")
+    return opening, "\n".join(lines), f"{t.outcome}, reward {t.reward:g}"
 
 
 async def evaluate(generate: Callable[[GenRequest], Awaitable[GenResult]], tokenizer: Any, task: Task,
@@ -68,9 +121,10 @@ class EvalEngine:
         """Register a PEFT directory; vLLM loads it itself, as `vllm serve --lora-modules` would."""
         self.generator.publish_dir(name, version, Path(path))
 
-    def run(self, task: Task, problems: list[Problem], adapter: str | None, max_tokens: int) -> EvalResult:
-        return asyncio.run(evaluate(generate_async(self.generator), self.tokenizer, task, problems, adapter,
-                                    max_tokens))
+    def run(self, task: "Task | EnvSource", spec: "AdapterSpec", config: "TrainConfig", adapter: str | None,
+            limit: int = 0) -> EvalResult:
+        return asyncio.run(evaluate_task(generate_async(self.generator), self.tokenizer, task, spec, config, adapter,
+                                         limit))
 
 
 @contextlib.contextmanager
@@ -127,17 +181,16 @@ def run_eval(config: "TrainConfig", adapter_dir: Path | None, limit: int = 0, na
         if adapter_dir is not None:
             engine.load_dir(EVAL_ADAPTER, 0, Path(adapter_dir).resolve())
         for spec in specs:
-            task = make_task(spec.task, config.run.seed)
+            task = make_task(spec.task, config.run.seed, spec.task_path)
             try:
-                problems = task.heldout()[: limit or None]
-                if not problems:
+                if not task.heldout():
                     raise ValueError(f"{spec.name}: the task has no held-out problems (set its heldout)")
                 runs = [(None, "base")] + ([(EVAL_ADAPTER, str(adapter_dir))] if adapter_dir is not None else [])
                 for adapter, label in runs:
-                    result = engine.run(task, problems, adapter, spec.eval_max_tokens)
+                    result = engine.run(task, spec, config, adapter, limit)
                     results.append({"adapter": spec.name, "task": spec.task.type, "model": label,
                                     "accuracy": result.accuracy, "mean_reward": result.mean_reward,
-                                    "n": result.n, "examples": result.examples})
+                                    "n": result.n, "examples": result.examples, **result.extra})
             finally:
                 task.close()
     return {"model": config.model.name, "results": results}

@@ -112,7 +112,30 @@ def step_row(run: "Run", adapter: "AdapterRun", groups: list["Group"], stats: "S
         "skipped_nonfinite": adapter.counters.skipped_nonfinite,
         "rejected_versions": adapter.counters.rejected_versions,
         "aborted_stale_groups": adapter.counters.aborted_stale, "reward_errors": adapter.task.stats.errors,
+        **episode_figures(adapter, groups),
     }
+
+
+def episode_figures(adapter: "AdapterRun", groups: list["Group"]) -> dict[str, Any]:
+    """Environment tasks: this step's episodes (success, turns, tools, versions spanned) and the
+    run's fault counters. Empty for single-turn tasks."""
+    rows = [row for g in groups for row in g.episodes]
+    if not rows:
+        return {}
+    c = adapter.counters
+
+    def mean(key: str) -> float:
+        return statistics.fmean(r[key] for r in rows)
+
+    return {"episodes": len(rows), "success_rate": mean("success"), "turns_mean": mean("turns"),
+            "turns_max": max(r["turns"] for r in rows), "tool_calls_mean": mean("tool_calls"),
+            "tool_call_rate": statistics.fmean(float(r["tool_calls"] > 0) for r in rows),
+            "episode_tokens_mean": mean("tokens"), "episode_tokens_max": max(r["tokens"] for r in rows),
+            "version_span_mean": mean("version_span"), "version_span_max": max(r["version_span"] for r in rows),
+            "resumed_turns": sum(r["resumed_turns"] for r in rows),
+            "tokens_reprefilled": sum(r["tokens_reprefilled"] for r in rows),
+            "env_errors": c.env_errors, "tool_errors": c.tool_errors, "truncated_episodes": c.truncated_episodes,
+            "resumed_turns_total": c.resumed_turns, "tokens_reprefilled_total": c.tokens_reprefilled}
 
 
 def run_summary(run: "Run") -> dict[str, Any]:
@@ -130,6 +153,10 @@ def run_summary(run: "Run") -> dict[str, Any]:
                         f"{prefix}rejected_versions": counters.rejected_versions,
                         f"{prefix}aborted_stale_groups": counters.aborted_stale,
                         f"{prefix}reward_errors": adapter.task.stats.errors})
+        if counters.episodes:
+            summary.update({f"{prefix}{key}": getattr(counters, key) for key in (
+                "episodes", "env_errors", "truncated_episodes", "tool_calls", "tool_errors", "resumed_turns",
+                "tokens_reprefilled")})
         for row in (r for r in run.evals if r["adapter"] == name):
             summary[f"{prefix}accuracy_{row['when']}"] = row["accuracy"]
     if run.error is not None:

@@ -47,13 +47,18 @@ class _Pending:
 
 class FakeGenerator:
     """Completions start with "x" half of the time (a regex reward "^x" then varies within a
-    group). Each request takes `delay()` seconds on a timer thread, like an engine would."""
+    group), or are what `reply(request, rng)` says. Each request takes `delay()` seconds on a
+    timer thread, like an engine would. A `keep_partial` request stopped by `abort_older` comes
+    back STOPPED with the first half of its reply. `served` records (prompt, version, reply ids)."""
 
-    def __init__(self, delay: Callable[[], float], events: list[str], seed: int = 0) -> None:
+    def __init__(self, delay: Callable[[], float], events: list[str], seed: int = 0,
+                 reply: Callable[[GenRequest, random.Random], str] | None = None) -> None:
         self.stats = GeneratorStats()
         self.delay = delay
         self.events = events
         self.rng = random.Random(seed)
+        self.reply = reply
+        self.served: list[tuple[list[int], int | None, list[int], str]] = []
         self.live: dict[str, list[int]] = {}
         self.aborted: list[tuple[str, int]] = []  # (adapter, version) of each aborted request
         self.dead = False
@@ -79,14 +84,21 @@ class FakeGenerator:
         timer.daemon = True
         timer.start()
 
+    def _text(self, request: GenRequest) -> str:
+        if self.reply is not None:
+            return self.reply(request, self.rng)
+        return ("x" if self.rng.random() < 0.5 else "y") + "abc"
+
     def _finish(self, rid: int) -> None:
         with self._lock:
             pending = self._pending.pop(rid, None)
-            texts = [("x" if self.rng.random() < 0.5 else "y") + "abc" for _ in range(pending.request.n)] \
-                if pending is not None else []
+            texts = [self._text(pending.request)[: pending.request.max_tokens]
+                     for _ in range(pending.request.n)] if pending is not None else []
         if pending is None:
             return
-        samples = [Sample(list(t.encode()), [-1.0] * len(t), "stop") for t in texts]
+        finish = ["length" if len(t) == pending.request.max_tokens else "stop" for t in texts]
+        samples = [Sample(list(t.encode()), [-1.0] * len(t), f) for t, f in zip(texts, finish)]
+        self.served.extend((list(pending.request.prompt_ids), pending.version, s.token_ids, "ok") for s in samples)
         self.stats.add(requests=1, tokens=sum(len(s.token_ids) for s in samples), busy_s=0.001)
         pending.on_done(GenResult(pending.request, pending.request.adapter, pending.version, samples))
 
@@ -109,7 +121,14 @@ class FakeGenerator:
                 del self._pending[rid]
         for p in doomed.values():
             self.aborted.append((adapter, p.version))  # type: ignore[arg-type]
-            p.on_done(GenResult.failed(p.request, GenStatus.ABORTED_STALE, "too stale", p.version))
+            if p.request.keep_partial:
+                half = self._text(p.request)[: max(1, p.request.max_tokens // 2)]
+                ids = list(half.encode())
+                self.served.append((list(p.request.prompt_ids), p.version, ids, "stopped"))
+                p.on_done(GenResult(p.request, adapter, p.version, [Sample(ids, [-2.0] * len(ids), "abort")],
+                                    GenStatus.STOPPED, "too stale"))
+            else:
+                p.on_done(GenResult.failed(p.request, GenStatus.ABORTED_STALE, "too stale", p.version))
 
     def live_versions(self, adapter: str) -> list[int]:
         return list(self.live.get(adapter, []))
@@ -172,6 +191,7 @@ class Trained:
     lags: list[int]
     versions: list[int]
     in_flight: int  # requests of this adapter still generating when the step began
+    samples: list[TrainSample] = field(default_factory=list)
 
 
 class FakeLearner:
@@ -200,12 +220,12 @@ class FakeLearner:
     def train_step(self, adapter: str, samples: list[TrainSample]) -> StepStats:
         state = self.adapters[adapter]
         self.trained.append(Trained(adapter, state.version, [s.policy_lag for s in samples],
-                                    [s.version for s in samples], self.generator.in_flight(adapter)))
+                                    [s.version for s in samples], self.generator.in_flight(adapter), samples))
         time.sleep(self.step_s)
         state.version += 1
         state.weight += 1
         return StepStats(adapter, state.version, True, False, 0.0, 0.0, len(samples),
-                         sum(len(s.completion_ids) for s in samples), 0, 1, LossStats(), self.step_s)
+                         sum(s.trained_tokens for s in samples), 0, 1, LossStats(), self.step_s)
 
     def snapshot_logprobs(self, version: AdapterVersion, samples: list[TrainSample]) -> list[list[float]]:
         return [list(s.logprobs) for s in samples]
@@ -227,9 +247,10 @@ class FakeParts:
     learner_placement = Placement("cpu", None)
 
     def __init__(self, names: list[str], gen_delay: Callable[[], float], step_s: float,
-                 damage: set[int] = frozenset(), refuse: set[int] = frozenset()) -> None:
+                 damage: set[int] = frozenset(), refuse: set[int] = frozenset(),
+                 reply: Callable[[GenRequest, random.Random], str] | None = None) -> None:
         self.events: list[str] = []
-        self.fake_generator = FakeGenerator(gen_delay, self.events)
+        self.fake_generator = FakeGenerator(gen_delay, self.events, reply=reply)
         self.fake_transport = FakeTransport(self.fake_generator, self.events, damage, refuse)
         self.fake_learner = FakeLearner(names, self.fake_generator, self.events, step_s)
 

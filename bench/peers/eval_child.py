@@ -30,14 +30,14 @@ def score_snapshots(config: Any, snaps: list[dict[str, Any]]) -> list[dict[str, 
     from lora_async.tasks import make_task
 
     task = make_task(config.task, config.run.seed)
-    problems = task.heldout()
+    spec = config.adapter_specs[0]
     rank = max(int(load_peft_dir(Path(s["path"]))[1].get("r", config.lora.rank)) for s in snaps)
     rows = []
     try:
         with eval_engine(config, vllm_rank(rank)) as engine:
             for version, snap in enumerate(snaps):
                 engine.load_dir(EVAL_SLOT, version, Path(snap["path"]))
-                result = engine.run(task, problems, EVAL_SLOT, config.adapter_specs[0].eval_max_tokens)
+                result = engine.run(task, spec, config, EVAL_SLOT)
                 rows.append({"kind": "eval", "when": snap["when"], "adapter": ADAPTER, "step": snap["step"],
                              "version": snap["step"], "wall_s": snap["wall_s"], "accuracy": result.accuracy,
                              "mean_reward": result.mean_reward, "n": result.n})

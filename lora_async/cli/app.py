@@ -44,10 +44,13 @@ def train(
     from ..models import ModelError
     from ..orchestrator import TrainingError, train as run_train
     from ..sync.transports import TransportError
+    from ..envs.source import EnvLoadError
     from ..tasks import RewardError
 
     try:
         summary = asyncio.run(run_train(cfg, resume=resume))
+    except EnvLoadError as exc:  # a config mistake found when the environment is loaded
+        fail(str(exc), code=2)
     except (TrainingError, ModelError, RewardError, TransportError, ServerError, GeneratorDead) as exc:
         fail(str(exc), code=1)
     except KeyboardInterrupt:

@@ -23,12 +23,12 @@ from .sections import (
     ADAPTER_NAME_RE, CPU_LIST_RE, AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, LossConfig, ModelConfig,
     RunConfig, SamplingConfig, Section,
 )
-from .tasks import ArithmeticTask, FleetAdapter, JsonlTask, TaskConfig
+from .tasks import ArithmeticTask, EnvTask, FleetAdapter, JsonlTask, TaskConfig
 from .train import VLLM_LORA_RANKS, AdapterSpec, TrainConfig, vllm_rank
 
 __all__ = [
     "ADAPTER_NAME_RE", "CPU_LIST_RE", "DEFAULT_SYNC", "ENGINE_HOME_TEXT", "MIGRATIONS", "VLLM_LORA_RANKS",
-    "AdapterConfig", "AdapterSpec", "ArithmeticTask", "BufferConfig", "ConfigError", "CudaIpcSync", "EngineHome",
+    "AdapterConfig", "AdapterSpec", "ArithmeticTask", "BufferConfig", "EnvTask", "ConfigError", "CudaIpcSync", "EngineHome",
     "FleetAdapter", "GeneratorBase", "GeneratorConfig", "HttpSync", "InprocSync", "JsonlTask", "LearnerConfig",
     "LoraConfig", "LossConfig", "ModelConfig", "NcclSync", "RunConfig", "SamplingConfig", "Section",
     "ServerGeneratorConfig", "ShmSync", "SyncBase", "SyncConfig", "TaskConfig", "TrainConfig",

@@ -115,7 +115,11 @@ class BufferConfig(Section):
         description="Max versions a sample may lag the learner (0 = synchronous training).",
     )
     stale_policy: Literal["drop", "is-correct"] = Field(
-        "drop", description="What happens to samples older than max_staleness."
+        "drop", description="What happens to samples older than max_staleness (counted on the oldest trained token)."
+    )
+    partial_rollouts: bool = Field(
+        True, description="Episodes: a turn a learner step makes too stale is stopped and continued on the newest "
+                          "version (false: aborted and its group dropped).",
     )
 
 

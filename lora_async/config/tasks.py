@@ -11,6 +11,9 @@ from pydantic_core.core_schema import SerializationInfo
 from .sections import AdapterConfig, LoraConfig, SamplingConfig, Section
 
 
+SPEC_RE = r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"  # module.path:object (the object may be dotted)
+
+
 class ArithmeticTask(Section):
     type: Literal["arithmetic"] = Field("arithmetic", description="'arithmetic': generated a op b problems.")
     digits: int = Field(1, ge=1, le=9, description="Digits per operand.")
@@ -43,12 +46,30 @@ class JsonlTask(Section):
             except re.error as exc:
                 raise ValueError(f"bad regex: {exc}") from exc
             return value
-        if re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
+        if re.fullmatch(SPEC_RE, value):
             return value
         raise ValueError("must be 'exact', 'numeric', 'regex:<pattern>' or 'module:function'")
 
 
-TaskConfig = Annotated[Union[ArithmeticTask, JsonlTask], Field(discriminator="type")]
+class EnvTask(Section):
+    type: Literal["env"] = Field("env", description="'env': multi-turn episodes of a user or builtin environment.")
+    env: str = Field(..., pattern=SPEC_RE,
+                     description="'module:factory' called as factory(index, split) -> environment.")
+    max_turns: int = Field(8, ge=1, le=1000, description="Model replies per episode at most (then it ends, reward 0).")
+    heldout: int = Field(64, ge=0, le=100_000, description="Held-out episodes for evaluation (split 'eval').")
+    reward: str | None = Field(None, pattern=SPEC_RE,
+                               description="Optional 'module:function' scoring a finished episode by keywords "
+                                           "(instead of the environment's reward).")
+    reward_timeout_s: float = Field(5.0, gt=0, le=3600, description="Per-call limit for the user reward.")
+    tool_timeout_s: float = Field(10.0, gt=0, le=3600, description="A tool call running longer is cut off.")
+    env_timeout_s: float = Field(30.0, gt=0, le=3600, description="An environment reset or step running longer "
+                                                                   "ends its episode.")
+    tool_workers: int = Field(2, ge=1, le=64, description="Guarded processes running tool calls.")
+    system_prompt: str | None = Field(None, description="System message (None = the model's default; a system "
+                                                        "message from the environment wins).")
+
+
+TaskConfig = Annotated[Union[ArithmeticTask, JsonlTask, EnvTask], Field(discriminator="type")]
 
 
 def default_types(data: Any, **tags: str) -> Any:

@@ -16,7 +16,7 @@ from .sections import (
     AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, LossConfig, ModelConfig, RunConfig, SamplingConfig,
     Section,
 )
-from .tasks import ArithmeticTask, FleetAdapter, JsonlTask, TaskConfig, default_types
+from .tasks import ArithmeticTask, EnvTask, FleetAdapter, JsonlTask, TaskConfig, default_types
 
 # vLLM accepts only these `max_lora_rank` values.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -35,12 +35,13 @@ class AdapterSpec:
     """One adapter as the run sees it, fleet overrides resolved."""
 
     name: str
-    task: ArithmeticTask | JsonlTask
+    task: ArithmeticTask | JsonlTask | EnvTask
     lora: LoraConfig
     lr: float
     weight: float
     sampling: SamplingConfig
     eval_max_tokens: int  # run.eval_max_tokens, or this adapter's sampling.max_new_tokens
+    task_path: str = "task"  # where its task table is, for error messages ("adapters.2.task")
 
 
 class TrainConfig(Section):
@@ -133,13 +134,13 @@ class TrainConfig(Section):
             return [AdapterSpec(self.adapter.name, self.task, self.lora, self.learner.lr, 1.0, self.sampling,
                                 self.run.eval_max_tokens or self.sampling.max_new_tokens)]
         specs = []
-        for entry in self.adapters:
+        for i, entry in enumerate(self.adapters):
             # Only the fields the entry sets override [sampling]; the rest are not SamplingConfig's defaults.
             own = entry.sampling.model_dump(include=entry.sampling.model_fields_set)
             sampling = self.sampling.model_copy(update=own)
             lr = self.learner.lr if entry.lr is None else entry.lr
             specs.append(AdapterSpec(entry.name, entry.task, entry.lora or self.lora, lr, entry.weight, sampling,
-                                     self.run.eval_max_tokens or sampling.max_new_tokens))
+                                     self.run.eval_max_tokens or sampling.max_new_tokens, f"adapters.{i}.task"))
         return specs
 
     @property

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -91,6 +91,19 @@ class _Pending:
     request: GenRequest
     on_done: Callable[[GenResult], None]
     live: LiveVersion | None
+    drawn: dict[int, Sample] = field(default_factory=dict)  # streamed so far (keep_partial), by index
+
+    def add(self, delta: dict[int, Sample]) -> None:
+        for index, piece in delta.items():
+            sample = self.drawn.setdefault(index, Sample([], [], ""))
+            sample.token_ids.extend(piece.token_ids)
+            sample.logprobs.extend(piece.logprobs)
+            sample.finish_reason = piece.finish_reason or sample.finish_reason
+
+    def samples(self, finish_reason: str | None = None) -> list[Sample]:
+        """What was drawn, in completion order (`finish_reason` for the unfinished ones)."""
+        return [Sample(s.token_ids, s.logprobs, s.finish_reason or finish_reason or "abort")
+                for _, s in sorted(self.drawn.items())]
 
 
 @dataclass
@@ -209,10 +222,10 @@ class VllmGenerator:
                 self._drain_commands(block=not self._engine.busy())
                 if self._engine.busy():
                     began = time.perf_counter()
-                    finished = self._engine.step()
+                    reports = self._engine.step()
                     self.stats.add(busy_s=time.perf_counter() - began)
-                    for request_id, samples in finished:
-                        self._complete(request_id, samples, GenStatus.OK, None)
+                    for request_id, samples, finished in reports:
+                        self._progress(request_id, samples, finished)
         except BaseException as exc:
             log.error("vLLM engine failed: %s", exc)
             self._dead = exc
@@ -311,7 +324,11 @@ class VllmGenerator:
             self._engine.abort(request_ids)
             self.stats.add(aborted=len(request_ids))
         for request_id in request_ids:
-            self._complete(request_id, [], status, reason)
+            pending = self._pending.get(request_id)
+            if pending is not None and pending.request.keep_partial and status is GenStatus.ABORTED_STALE:
+                self._complete(request_id, pending.samples("abort"), GenStatus.STOPPED, reason)
+            else:
+                self._complete(request_id, [], status, reason)
 
     # ---- requests
     def _add_request(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
@@ -334,6 +351,17 @@ class VllmGenerator:
                 self.registry.release(live)
             self._pending.pop(request_id, None)
             on_done(GenResult.failed(request, GenStatus.REFUSED, f"refused: {exc}"))
+
+    def _progress(self, request_id: str, samples: dict[int, Sample], finished: bool) -> None:
+        pending = self._pending.get(request_id)
+        if pending is None:
+            return
+        if pending.request.keep_partial:
+            pending.add(samples)
+            if finished:
+                self._complete(request_id, pending.samples("stop"), GenStatus.OK, None)
+        elif finished:
+            self._complete(request_id, [s for _, s in sorted(samples.items())], GenStatus.OK, None)
 
     def _complete(self, request_id: str, samples: list[Sample], status: GenStatus, error: str | None) -> None:
         pending = self._pending.pop(request_id, None)

@@ -36,6 +36,7 @@ class GenRequest:
     top_p: float = 1.0
     seed: int | None = None
     tag: object = None  # opaque caller data, returned with the result (`abort_older` matches it)
+    keep_partial: bool = False  # cut short by `abort_older`, return the tokens so far (STOPPED)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class GenStatus(enum.Enum):
 
     OK = "ok"
     ABORTED_STALE = "aborted_stale"  # cut short by `abort_older`: it could only have been dropped as stale
+    STOPPED = "stopped"  # cut short by `abort_older` with `keep_partial`: samples hold the tokens so far
     EVICTED = "evicted"  # its version was retired from a full engine while it ran
     REFUSED = "refused"  # it never started (no published version of its adapter, bad parameters)
     FAILED = "failed"  # this request failed (e.g. a server replica answered with an error)
@@ -163,7 +165,8 @@ class Generator(Protocol):
 
     def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
         """Stop requests tagged `tag` of `adapter` on versions below `min_version`, without waiting;
-        they end with `GenStatus.ABORTED_STALE`. A backend that cannot abort lets them finish."""
+        they end with `GenStatus.ABORTED_STALE`, or `STOPPED` with the tokens drawn so far when the
+        request asked to `keep_partial`. A backend that cannot abort lets them finish."""
 
     def live_versions(self, adapter: str) -> list[int]:
         """Versions of `adapter` registered right now."""

@@ -136,7 +136,8 @@ class Learner:
     # ---- logprobs without training (canary, eval helpers)
     @torch.no_grad()
     def logprobs(self, adapter: str | None, samples: list[TrainSample]) -> list[list[float]]:
-        """Completion-token logprobs under `adapter` (None = the base, adapter switched off)."""
+        """Logprobs of each sample's trained completion tokens under `adapter` (None = the base,
+        adapter switched off)."""
         result: list[list[float]] = [[] for _ in samples]
         for rows in plan_step(samples, self.cfg.token_budget):
             mb = build_micro_batch(samples, rows, self.pad_id, self.device)
@@ -169,7 +170,7 @@ class Learner:
     def _trainable(self, samples: list[TrainSample]) -> list[TrainSample]:
         # Samples with zero advantage contribute no gradient (unless KL needs them): skip them.
         kl = self.loss_cfg.kl_coef > 0
-        return [s for s in samples if s.completion_ids and (s.advantage != 0.0 or kl)]
+        return [s for s in samples if s.trained_tokens and (s.advantage != 0.0 or kl)]
 
     def fits(self, samples: list[TrainSample]) -> bool:
         """Whether one step can take all of `samples` within `learner.micro_batches_per_step`
@@ -187,7 +188,7 @@ class Learner:
         temperature = self.temperatures[adapter]
         kl_coef = self.loss_cfg.kl_coef
         trained = self._trainable(samples)
-        total_tokens = sum(len(s.completion_ids) for s in trained)
+        total_tokens = sum(s.trained_tokens for s in trained)
         plan = plan_step(trained, self.cfg.token_budget)
         stats = LossStats()
         loss_total = 0.0

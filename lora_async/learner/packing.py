@@ -4,6 +4,10 @@ A GRPO group shares its prompt, so a row holds one prompt followed by all its co
 completion attending to the shared prompt and to itself only (the prompt is computed once).
 Rows are packed longest first into micro-batches whose padded size (rows x longest) fits the
 token budget.
+
+An episode's completion also holds environment, tool and template tokens: they are inputs (the
+model reads them) but never targets, so only the tokens the model sampled reach the LM head,
+the loss and the gradient.
 """
 
 from __future__ import annotations
@@ -46,14 +50,14 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, T]
     position_ids: torch.Tensor  # [B, T]
     attention_mask: torch.Tensor  # [B, 1, T, T] bool, True = may attend
-    rows: torch.Tensor  # [N] row of the hidden state that predicts each completion token
+    rows: torch.Tensor  # [N] row of the hidden state that predicts each trained token
     cols: torch.Tensor  # [N] its column
-    targets: torch.Tensor  # [N] the completion tokens
-    behaviour: torch.Tensor  # [N] vLLM's sampling logprobs
+    targets: torch.Tensor  # [N] the trained (model-sampled) completion tokens
+    behaviour: torch.Tensor  # [N] vLLM's sampling logprob of each
     advantages: torch.Tensor  # [N]
     stale: torch.Tensor  # [N] bool
-    lag: torch.Tensor  # [N] policy lag of the sample each token belongs to
-    lengths: list[int]  # completion length of each sample, in input order
+    lag: torch.Tensor  # [N] each token's own policy lag (its version's, not the sample's)
+    lengths: list[int]  # trained tokens of each sample, in input order
 
     @property
     def padded_tokens(self) -> int:
@@ -101,7 +105,7 @@ def build_micro_batch(samples: list[TrainSample], rows: list[list[int]], pad_id:
     ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
     pos = torch.zeros((n_rows, width), dtype=torch.long)
     branch = torch.full((n_rows, width), -2, dtype=torch.long)  # -1 prompt, k sample k, -2 pad
-    pred_rows, pred_cols, behaviour, adv, stale, lag, lengths = [], [], [], [], [], [], []
+    pred_rows, pred_cols, targets, behaviour, adv, stale, lag, lengths = [], [], [], [], [], [], [], []
     for r, row in enumerate(rows):
         prompt = samples[row[0]].prompt_ids
         p = len(prompt)
@@ -116,13 +120,16 @@ def build_micro_batch(samples: list[TrainSample], rows: list[list[int]], pad_id:
             pos[r, start : start + c] = torch.arange(p, p + c)
             branch[r, start : start + c] = k
             # token j of this completion is predicted from token j-1 (the last prompt token for j=0)
-            pred_rows.extend([r] * c)
-            pred_cols.extend([p - 1, *range(start, start + c - 1)])
-            behaviour.extend(s.logprobs)
-            adv.extend([s.advantage] * c)
-            stale.extend([s.stale] * c)
-            lag.extend([s.policy_lag] * c)
-            lengths.append(c)
+            keep = [j for j, t in enumerate(s.token_trained()) if t]
+            pred_rows.extend([r] * len(keep))
+            pred_cols.extend(start + j - 1 if j else p - 1 for j in keep)
+            targets.extend(s.completion_ids[j] for j in keep)
+            behaviour.extend(s.logprobs[j] for j in keep)
+            adv.extend([s.advantage] * len(keep))
+            stale.extend([s.stale] * len(keep))
+            lags = s.token_lags()
+            lag.extend(lags[j] for j in keep)
+            lengths.append(len(keep))
             start += c
     index = torch.arange(width)
     causal = index[None, :, None] >= index[None, None, :]  # [1, q, k]
@@ -131,11 +138,11 @@ def build_micro_batch(samples: list[TrainSample], rows: list[list[int]], pad_id:
     real = (bq != -2) & (bk != -2)
     allowed = causal & same_tree & real
     allowed |= torch.eye(width, dtype=torch.bool)[None]  # padding rows attend to themselves (no NaN)
-    flat_targets = torch.tensor([t for row in rows for i in row for t in samples[i].completion_ids])
     return MicroBatch(
         ids.to(device), pos.to(device), allowed[:, None].to(device),
-        torch.tensor(pred_rows, device=device), torch.tensor(pred_cols, device=device),
-        flat_targets.to(device),
+        torch.tensor(pred_rows, dtype=torch.long, device=device),
+        torch.tensor(pred_cols, dtype=torch.long, device=device),
+        torch.tensor(targets, dtype=torch.long, device=device),
         torch.tensor(behaviour, dtype=torch.float32, device=device),
         torch.tensor(adv, dtype=torch.float32, device=device),
         torch.tensor(stale, dtype=torch.bool, device=device),

@@ -106,7 +106,10 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
     (out_dir / "config.json").write_text(dump_config(config))
     parts = parts or await asyncio.to_thread(LocalParts, config, console, out_dir)
     console.print(parts.describe())
-    adapters = {spec.name: AdapterRun(spec, make_task(spec.task, config.run.seed)) for spec in config.adapter_specs}
+    adapters = {spec.name: AdapterRun(spec, make_task(spec.task, config.run.seed, spec.task_path))
+                for spec in config.adapter_specs}
+    for adapter in adapters.values():
+        console.print(f"{adapter.name}: {adapter.task.describe()}", highlight=False)
     tokenizer = await asyncio.to_thread(parts.tokenizer)
     pool = concurrent.futures.ThreadPoolExecutor(1, "lora-async-learner", pin_current_thread,
                                                  (parts.learner_placement,))

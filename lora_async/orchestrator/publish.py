@@ -10,6 +10,7 @@ import statistics
 from typing import Any
 
 from ..buffer import TrainSample
+from ..envs.source import EnvSource
 from ..generator.types import AdapterVersion, GenRequest, PublishStats
 from ..generator.validate import AdapterError
 from ..sync.pack import PackError
@@ -20,6 +21,15 @@ MAX_REJECTED_IN_A_ROW = 3  # transfers of one adapter refused in a row before th
 REJECTED_VERSION = (AdapterError, PackError)  # a refused version, not a broken engine or transport
 CANARY_WARN_NATS = 0.5  # mean |generator - learner| logprob on the probe that means "not applied"
 CANARY_TOKENS = 16
+
+
+async def probe_prompt(run: Run, adapter: AdapterRun) -> list[int] | None:
+    """The canary's prompt: the first held-out problem, or an environment's first held-out opening."""
+    task = adapter.task
+    if isinstance(task, EnvSource):
+        return await task.opening_ids(0, "eval", run.tokenizer)
+    probe = task.heldout()[:1] or [task.train_problem(0)]
+    return render_prompt(run.tokenizer, probe[0].prompt, task.system_prompt)
 
 
 async def publish_initial(run: Run) -> None:
@@ -81,9 +91,9 @@ async def canary(run: Run, adapter: AdapterRun, version: AdapterVersion) -> None
     vLLM samples a probe on version k; the learner scores it with a snapshot of version k (the
     tensors that were published), so the check is exact even while the learner moves on.
     """
-    task = adapter.task
-    probe = task.heldout()[:1] or [task.train_problem(0)]
-    prompt_ids = render_prompt(run.tokenizer, probe[0].prompt, task.system_prompt)
+    prompt_ids = await probe_prompt(run, adapter)
+    if prompt_ids is None:
+        return
     result = await run.generate(GenRequest(prompt_ids, adapter.name, n=1, max_tokens=CANARY_TOKENS,
                                            temperature=adapter.spec.sampling.temperature))
     if not result.ok or not result.samples or not result.samples[0].token_ids:

@@ -2,7 +2,8 @@
 
 Each adapter has its own producers (its weight's share of `generator.groups_in_flight`). A
 producer starts a group when admitted, waits for vLLM, scores the completions with the task's
-reward, and puts the group in the rollout buffer, until the run stops.
+reward (or plays the group's episodes, `episodes.py`), and puts the group in the rollout
+buffer, until the run stops.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import asyncio
 
 from ..buffer import Group, TrainSample, group_advantages
+from ..envs.source import EnvSource
 from ..generator.types import GenRequest, GenStatus
 from ..tasks import render_prompt
+from .episodes import make_env_group
 from .state import AdapterRun, Run, TrainingError
 
 ADMISSION_POLL_S = 0.25  # producers re-check admission at least this often (stale drops notify no one)
@@ -80,7 +83,10 @@ async def admitted(run: Run, adapter: AdapterRun) -> None:
 
 
 async def make_group(run: Run, adapter: AdapterRun, index: int) -> Group | None:
-    """Generate, score and package one group (None when it did not complete)."""
+    """Generate, score and package one group (None when it did not complete): one request of
+    `samples_per_prompt` completions for a single-turn task, as many episodes for an environment."""
+    if isinstance(adapter.task, EnvSource):
+        return await make_env_group(run, adapter, index, ROLLOUT_TAG)
     sampling, task = adapter.spec.sampling, adapter.task
     problem = task.train_problem(index)
     prompt_ids = render_prompt(run.tokenizer, problem.prompt, task.system_prompt)

@@ -70,9 +70,27 @@ class Counters:
     canary_warnings: int = 0
     rejected_versions: int = 0  # versions the transport or the engine refused (older ones kept serving)
     aborted_stale: int = 0  # groups stopped mid-generation: they would have been too stale to train
+    # environment tasks (episodes of groups that finished, dropped ones included)
+    episodes: int = 0
+    env_errors: int = 0  # the environment raised, hung or broke the interface: reward 0, not trained
+    truncated_episodes: int = 0  # the context (generator.max_model_len) was full
+    tool_calls: int = 0
+    tool_errors: int = 0  # malformed calls, unknown tools, tools that raised or timed out
+    resumed_turns: int = 0  # turns stopped as too stale and continued on a newer version
+    tokens_reprefilled: int = 0  # context prefilled again because of those switches
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+    def record_episodes(self, episodes: list[Any]) -> None:
+        """Count finished episodes (`envs.episode.Trajectory`)."""
+        self.episodes += len(episodes)
+        self.env_errors += sum(t.outcome == "env_error" for t in episodes)
+        self.truncated_episodes += sum(t.outcome == "truncated" for t in episodes)
+        self.tool_calls += sum(t.tool_calls for t in episodes)
+        self.tool_errors += sum(t.tool_errors for t in episodes)
+        self.resumed_turns += sum(t.resumed_turns for t in episodes)
+        self.tokens_reprefilled += sum(t.tokens_reprefilled for t in episodes)
 
 
 @dataclass
@@ -93,6 +111,7 @@ class AdapterRun:
     last_reward: float | None = None
     warned_flat: bool = False
     reported_reward_error: bool = False
+    reported_env_error: bool = False
     marks: dict[str, float] = field(default_factory=dict)  # generator clock and tokens at the step's start
     trained: asyncio.Event = field(default_factory=asyncio.Event)
     rejected_in_a_row: int = 0

@@ -6,14 +6,26 @@ exactly where it stopped), a fixed held-out split for evaluation, and a reward f
 
 from __future__ import annotations
 
-from ..config import ArithmeticTask, JsonlTask
+from typing import TYPE_CHECKING, Union
+
+from ..config import ArithmeticTask, EnvTask, JsonlTask
 from .base import Problem, RewardStats, Task, render_prompt
 from .rewards import RewardError
 
 __all__ = ["Problem", "RewardStats", "Task", "make_task", "render_prompt", "RewardError"]
 
 
-def make_task(config: ArithmeticTask | JsonlTask, seed: int) -> Task:
+if TYPE_CHECKING:
+    from ..envs.source import EnvSource
+
+
+def make_task(config: ArithmeticTask | JsonlTask | EnvTask, seed: int,
+              where: str = "task") -> Union[Task, "EnvSource"]:
+    """The task a `[task]` table describes; `where` names the table in errors."""
+    if isinstance(config, EnvTask):
+        from ..envs.source import EnvSource
+
+        return EnvSource(config, seed, f"{where}.env")
     if isinstance(config, ArithmeticTask):
         from .arithmetic import ArithmeticProblems
 

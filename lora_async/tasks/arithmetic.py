@@ -65,6 +65,10 @@ class ArithmeticProblems:
             if not self._is_heldout(a, op, b):
                 return self._problem(index, a, op, b)
 
+    def describe(self) -> str:
+        return (f"arithmetic: {self.config.digits}-digit {' '.join(self.config.ops)}, {len(self._heldout)} held out; "
+                "reward numeric gets completion, answer")
+
     def heldout(self) -> list[Problem]:
         return list(self._heldout)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -11,6 +11,9 @@ class Problem:
     index: int  # position in the training stream (or in the held-out list)
     prompt: str  # the user message
     answer: str  # the reference the reward compares against
+    # The record's other fields (JSONL tasks), passed to user rewards by name. Left out of the
+    # hash, which a dict cannot take part in.
+    fields: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass
@@ -40,6 +43,9 @@ class Task(Protocol):
 
     def heldout(self) -> list[Problem]:
         """The fixed evaluation split; never returned by train_problem."""
+
+    def describe(self) -> str:
+        """One startup line: what the task is and which fields its reward gets."""
 
     def rewards(self, problem: Problem, completions: list[str]) -> list[float]:
         """Score each completion of one problem. Never raises: failures score 0 and count."""

@@ -1,30 +1,41 @@
 """Reward functions: builtin ones by name, and user functions run in a guarded subprocess.
 
-A user function (`module:function`, called as `fn(prompt, completion, answer) -> float`) runs in
-a child process: one that raises, returns junk or runs past its timeout scores 0, is counted,
-and never takes the training run down with it (a hung child is killed and restarted).
+A user function (`module:function`) is called with keywords: `prompt`, `completion`, `answer`
+and every other field of the problem's record, each only if its signature names it (all of
+them if it takes `**kwargs`), so a TRL-style `def score(completion, answer, **kwargs)` works.
+It runs in a child process (`GuardedFunction`): one that raises, returns a non-number or runs
+past its timeout scores 0, is counted, and never takes the training run down with it.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import selectors
-import subprocess
-import sys
-import threading
-from typing import Callable
+from typing import Any, Callable, Protocol, Sequence
 
-from .base import RewardStats
+from ..guarded import GuardedError, GuardedFunction
+from .base import Problem, RewardStats
 
 NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
-RESTART_GRACE_S = 2.0  # how long a killed reward worker gets to exit before SIGKILL
 
 
 class RewardError(ValueError):
     """A reward specification that cannot be used (unknown name, import failure)."""
+
+
+class RewardFailed(Exception):
+    """One call of a user reward failed; the message is the whole error text."""
+
+
+class Reward(Protocol):
+    """A reward as tasks use it: called with keywords, one float per completion."""
+
+    def __call__(self, **fields: Any) -> float: ...
+
+    def describe(self, fields: Sequence[str]) -> str:
+        """One startup line: which of `fields` the reward gets."""
+
+    def close(self) -> None: ...
 
 
 def final_number(text: str) -> float | None:
@@ -58,110 +69,89 @@ def builtin_reward(spec: str) -> Callable[[str, str], float] | None:
     return None
 
 
+class BuiltinReward:
+    """exact / numeric / regex, in-process: they only compare the completion with the answer."""
+
+    def __init__(self, spec: str, fn: Callable[[str, str], float]) -> None:
+        self.spec = spec
+        self._fn = fn
+        # A pattern says what to look for; it never reads the answer.
+        self._uses = ("completion",) if spec.startswith("regex:") else ("completion", "answer")
+
+    def __call__(self, *, completion: str, answer: str, **fields: Any) -> float:
+        return self._fn(completion, answer)
+
+    def describe(self, fields: Sequence[str]) -> str:
+        return f"reward {self.spec} gets {', '.join(self._uses)}"
+
+    def close(self) -> None:
+        pass
+
+
 class UserReward:
-    """`module:function` in a worker subprocess, with a per-call timeout."""
+    """`module:function` in a guarded worker subprocess, with a per-call timeout.
+
+    A failed call raises `RewardFailed` (after counting a timeout); `safe_rewards` turns it
+    into a 0 and an error record."""
 
     def __init__(self, spec: str, timeout_s: float, stats: RewardStats) -> None:
         self.spec = spec
-        self.timeout_s = timeout_s
         self.stats = stats
-        self._proc: subprocess.Popen | None = None
-        self._lock = threading.Lock()  # producers score groups from several threads
-        self._start()  # import errors surface now, as a RewardError
-
-    def _start(self) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-        self._proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "lora_async.tasks.reward_worker", self.spec],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        hello = self._read_line(timeout=60.0)
-        if hello is None or not hello.get("ready"):
-            error = (hello or {}).get("error") or self._stderr_tail()
-            self._kill()
-            raise RewardError(f"reward function {self.spec!r} could not be loaded: {error}")
-
-    def _stderr_tail(self) -> str:
-        if self._proc is None or self._proc.stderr is None:
-            return ""
         try:
-            return self._proc.stderr.read()[-300:].strip()
-        except Exception:
-            return ""
+            self._fn = GuardedFunction(spec, timeout_s)
+        except GuardedError as exc:
+            raise RewardError(f"reward function {exc}") from None
 
-    def _read_line(self, timeout: float) -> dict | None:
-        assert self._proc is not None and self._proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._proc.stdout, selectors.EVENT_READ)
-            if not sel.select(timeout):
-                return None
-        line = self._proc.stdout.readline()
-        return json.loads(line) if line else None
-
-    def _kill(self) -> None:
-        if self._proc is None:
-            return
-        self._proc.kill()
-        try:
-            self._proc.wait(timeout=RESTART_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-        self._proc = None
-
-    def __call__(self, prompt: str, completion: str, answer: str) -> float:
-        with self._lock:
-            return self._call(prompt, completion, answer)
-
-    def _call(self, prompt: str, completion: str, answer: str) -> float:
-        if self._proc is None or self._proc.poll() is not None:
-            self._start()
-        assert self._proc is not None and self._proc.stdin is not None
-        try:
-            self._proc.stdin.write(json.dumps({"p": prompt, "c": completion, "a": answer}) + "\n")
-            self._proc.stdin.flush()
-            reply = self._read_line(self.timeout_s)
-        except (BrokenPipeError, OSError, json.JSONDecodeError) as exc:
-            reply = {"error": f"worker died: {exc}"}
-        if reply is None:
+    def __call__(self, **fields: Any) -> float:
+        outcome = self._fn.call(fields)  # a mapping: a field may be called `strict`
+        if outcome.timed_out:
             self.stats.timeouts += 1
-            self._fail(f"timed out after {self.timeout_s:g}s")
-            self._kill()
-            return 0.0
-        if "error" in reply:
-            self._fail(reply["error"])
-            return 0.0
-        return float(reply["r"])
+        if not outcome.ok:
+            raise RewardFailed(f"{self.spec}: {outcome.error}")
+        value = outcome.value
+        if not isinstance(value, (int, float)):  # bool is an int: `return answer in completion` counts
+            raise RewardFailed(f"{self.spec}: returned {str(value)[:80]!r}, not a number")
+        return float(value)
 
-    def _fail(self, message: str) -> None:
-        self.stats.record_error(f"{self.spec}: {message}")
+    def describe(self, fields: Sequence[str]) -> str:
+        got = self._fn.accepted(fields)
+        line = f"reward {self.spec} gets {', '.join(got) or 'nothing'} (of {', '.join(fields)})"
+        missing = [name for name in self._fn.required if name not in fields]
+        if missing:  # every call would fail with a TypeError; say so before the run starts
+            line += f"; it also needs {', '.join(missing)}, which no field provides"
+        return line
 
     def close(self) -> None:
-        self._kill()
+        self._fn.close()
 
 
-def make_reward(spec: str, timeout_s: float, stats: RewardStats) -> Callable[[str, str, str], float]:
-    """A callable (prompt, completion, answer) -> float for a reward spec."""
+def make_reward(spec: str, timeout_s: float, stats: RewardStats) -> Reward:
+    """The reward a spec names; call it as `fn(prompt=..., completion=..., answer=..., **fields)`."""
     builtin = builtin_reward(spec)
     if builtin is not None:
-        return lambda prompt, completion, answer: builtin(completion, answer)
+        return BuiltinReward(spec, builtin)
     if ":" not in spec:
         raise RewardError(f"unknown reward {spec!r}: use exact, numeric, regex:<pattern> or module:function")
     return UserReward(spec, timeout_s, stats)
 
 
-def safe_rewards(fn: Callable[[str, str, str], float], stats: RewardStats, prompt: str,
-                 completions: list[str], answer: str) -> list[float]:
+def safe_rewards(fn: Callable[..., float], stats: RewardStats, problem: Problem,
+                 completions: list[str]) -> list[float]:
     """Score completions; an exception or a non-finite score gives 0 and is counted.
 
-    A call is counted once it is scored (after its error, if any), so a reader on another
-    thread never sees more calls than outcomes."""
+    The record's extra fields go first, so a field named like a role (`completion`) cannot
+    shadow it. A call is counted once it is scored (after its error, if any), so a reader on
+    another thread never sees more calls than outcomes."""
     out = []
     for completion in completions:
         try:
-            value = float(fn(prompt, completion, answer))
+            value = float(fn(**{**problem.fields, "prompt": problem.prompt, "completion": completion,
+                                "answer": problem.answer}))
             if not math.isfinite(value):
                 raise ValueError(f"reward is {value}")
+        except RewardFailed as exc:
+            stats.record_error(str(exc))
+            value = 0.0
         except Exception as exc:
             stats.record_error(f"{type(exc).__name__}: {exc}")
             value = 0.0

@@ -83,26 +83,29 @@ class EngineClient:
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import RequestOutputKind
 
+        # A request that may be stopped and continued streams its tokens (DELTA), so what it
+        # drew before an abort is known; the others report once, when finished.
+        kind = RequestOutputKind.DELTA if request.keep_partial else RequestOutputKind.FINAL_ONLY
         params = SamplingParams(n=request.n, max_tokens=request.max_tokens, min_tokens=request.min_tokens,
                                 temperature=request.temperature, top_p=request.top_p, seed=request.seed,
-                                logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+                                logprobs=0, output_kind=kind)
         lora_request = LoRARequest(lora.name, lora.int_id, lora.path) if lora is not None else None
         self.engine.add_request(request_id, {"prompt_token_ids": list(request.prompt_ids)}, params,
                                 lora_request=lora_request)
 
-    def step(self) -> list[tuple[str, list[Sample]]]:
-        """One engine step; the requests it finished, with their samples."""
-        finished = []
+    def step(self) -> list[tuple[str, dict[int, Sample], bool]]:
+        """One engine step: (request id, samples by completion index, finished) for every output.
+        Streaming (`keep_partial`) requests report the tokens drawn in this step; the others
+        report once, finished, with all of them."""
+        reports = []
         for output in self.engine.step():
-            if not output.finished:
-                continue
-            samples = []
+            samples = {}
             for completion in output.outputs:
                 ids = list(completion.token_ids)
                 logprobs = [step[token].logprob for step, token in zip(completion.logprobs or [], ids)]
-                samples.append(Sample(ids, logprobs, completion.finish_reason or "stop"))
-            finished.append((output.request_id, samples))
-        return finished
+                samples[completion.index] = Sample(ids, logprobs, completion.finish_reason or "")
+            reports.append((output.request_id, samples, bool(output.finished)))
+        return reports
 
     def busy(self) -> bool:
         return bool(self.engine.has_unfinished_requests())

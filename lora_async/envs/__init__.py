@@ -1,0 +1,13 @@
+"""Environments: multi-turn episodes with tools, played token-in, token-out.
+
+    base.py      the interface a user writes: Env (reset, step, tools), Reply, StepResult
+    tools.py     tool schemas (transformers' get_json_schema), call parsing, guarded tool workers
+    render.py    the chat template as token deltas (nothing in the context is re-tokenised)
+    episode.py   one episode: turns on the newest version, partial rollouts, faults as outcomes
+    source.py    a `[task] type = "env"`: the factory loaded by module path, checked at startup
+    builtin/     environments that ship with lora-async (calculator, guess)
+"""
+
+from .base import Env, Message, Reply, StepResult, ToolCall, ToolResult, system, user
+
+__all__ = ["Env", "Message", "Reply", "StepResult", "ToolCall", "ToolResult", "system", "user"]

@@ -1,0 +1,251 @@
+"""One episode, token in and token out: the environment opens, the model replies (calling
+tools), the environment answers, until it ends the episode, `max_turns` replies were made, or
+the context is full.
+
+The trajectory records every token after the opening prompt: the model's (trained, with the
+behaviour logprob vLLM sampled it with and the version that sampled it) and the environment's
+(context only). Each turn starts on the newest published version. With partial rollouts, a turn
+that a learner step makes too stale comes back stopped (`GenStatus.STOPPED`) with the tokens it
+has; they keep their version and logprobs, and the turn goes on from there on the newest
+version (the context so far is prefilled again: `tokens_reprefilled`).
+
+Faults end the episode, never the run: an environment that raises or hangs (`env_error`), a
+context that would overflow `generator.max_model_len` (`truncated`). Tool faults go back to the
+model as tool results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from ..generator.types import GenRequest, GenResult, GenStatus
+from .base import Message, Reply, StepResult, ToolResult
+from .render import ChatRenderer
+from .tools import ToolBox, parse_tool_calls, strip_tool_calls
+
+ROLLOUT_TAG = "rollout"  # GenRequest.tag of training rollouts (the only requests stopped as stale)
+
+
+class EpisodeError(Exception):
+    """The environment failed (raised, hung, or broke the interface); the episode ends."""
+
+
+class ContextFull(Exception):
+    """The next turn would not fit in `generator.max_model_len`: the episode ends truncated."""
+
+
+class EpisodeAborted(Exception):
+    """Generation ended without a usable reply; `result` says how (stale, engine dead, ...)."""
+
+    def __init__(self, result: GenResult) -> None:
+        super().__init__(result.error or result.status.value)
+        self.result = result
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]  # the opening, rendered once (the same for every episode of a group)
+    ids: list[int] = field(default_factory=list)  # everything after it
+    trained: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # sampling version (context tokens: -1)
+    messages: list[Message] = field(default_factory=list)
+    reward: float = 0.0
+    outcome: str = "running"  # done | max_turns | truncated | env_error
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    resumed_turns: int = 0
+    tokens_reprefilled: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    def sampled(self, ids: list[int], logprobs: list[float], version: int) -> None:
+        self.ids += ids
+        self.trained += [True] * len(ids)
+        self.logprobs += logprobs
+        self.versions += [version] * len(ids)
+
+    def context(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.trained += [False] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.ids)
+
+    @property
+    def oldest_version(self) -> int | None:
+        sampled = [v for v, t in zip(self.versions, self.trained) if t]
+        return min(sampled) if sampled else None
+
+    @property
+    def success(self) -> bool:
+        """`info["success"]` when the environment says; otherwise a finished episode with reward >= 1."""
+        if "success" in self.info:
+            return bool(self.info["success"])
+        return self.outcome == "done" and self.reward >= 1.0
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    max_turns: int
+    max_tokens: int  # per reply
+    max_model_len: int  # the whole episode
+    temperature: float
+    top_p: float
+    env_timeout_s: float
+    partial: bool  # continue stopped turns on the newest version (else they end the episode)
+
+    @classmethod
+    def for_adapter(cls, config: Any, spec: Any, greedy: bool = False) -> "EpisodeSettings":
+        """Training episodes of one adapter (`config.TrainConfig`, `config.AdapterSpec`), or its
+        greedy held-out episodes (`run.eval_max_tokens` per reply, no partial rollouts)."""
+        sampling, task = spec.sampling, spec.task
+        return cls(max_turns=task.max_turns, max_tokens=spec.eval_max_tokens if greedy else sampling.max_new_tokens,
+                   max_model_len=config.generator.max_model_len,
+                   temperature=0.0 if greedy else sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
+                   env_timeout_s=task.env_timeout_s, partial=config.buffer.partial_rollouts and not greedy)
+
+
+async def guarded(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str) -> Any:
+    """Call a user's environment method (plain or async) with a time limit. A plain one runs on
+    its own daemon thread: if it hangs, nobody waits for it (it is left behind, counted)."""
+    try:
+        if inspect.iscoroutinefunction(fn):
+            return await asyncio.wait_for(fn(*args), timeout_s)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if future.done():
+                return  # timed out meanwhile
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+
+        def call() -> None:
+            value, error = None, None
+            try:
+                value = fn(*args)
+                if inspect.isawaitable(value):
+                    raise TypeError(f"{what} returned an awaitable from a plain method")
+            except BaseException as exc:  # noqa: BLE001 - a user's fault, reported as data
+                error = exc
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:
+                pass  # the loop is gone: the run ended while this call hung
+
+        threading.Thread(target=call, name=f"lora-async-env-{what}", daemon=True).start()
+        return await asyncio.wait_for(future, timeout_s)
+    except asyncio.TimeoutError:
+        raise EpisodeError(f"{what} timed out after {timeout_s:g}s") from None
+    except EpisodeError:
+        raise
+    except Exception as exc:
+        raise EpisodeError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+class Episode:
+    """Plays one environment to its end on one adapter."""
+
+    def __init__(self, env: Any, renderer: ChatRenderer, toolbox: ToolBox | None, settings: EpisodeSettings,
+                 generate: Callable[[GenRequest], Awaitable[GenResult]], adapter: str | None,
+                 tag: object = ROLLOUT_TAG) -> None:
+        self.env, self.renderer, self.toolbox, self.settings = env, renderer, toolbox, settings
+        self.generate, self.adapter, self.tag = generate, adapter, tag
+        self.tokenizer = renderer.tokenizer
+
+    async def play(self) -> Trajectory:
+        """The whole episode. Raises EpisodeError if the environment fails before it opens and
+        EpisodeAborted if generation cannot go on; anything later ends it with `outcome`."""
+        opening = await guarded(self.env.reset, timeout_s=self.settings.env_timeout_s, what="reset")
+        check_messages(opening, "reset")
+        traj = Trajectory(self.renderer.opening(opening), messages=self.renderer.with_system(opening))
+        try:
+            await self._turns(traj)
+        except ContextFull:
+            traj.outcome, traj.reward = "truncated", 0.0
+        except EpisodeError as exc:
+            traj.outcome, traj.error, traj.reward = "env_error", str(exc), 0.0
+        return traj
+
+    async def _turns(self, traj: Trajectory) -> None:
+        s = self.settings
+        for turn in range(1, s.max_turns + 1):
+            reply_ids, finish = await self._reply(traj)
+            traj.turns = turn
+            text = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
+            traj.messages.append({"role": "assistant", "content": text})
+            reply, tool_messages = await self._use_tools(text, turn, finish == "length", traj)
+            result = await guarded(self.env.step, reply, timeout_s=s.env_timeout_s, what="step")
+            if not isinstance(result, StepResult):
+                raise EpisodeError(f"step returned {type(result).__name__}, not a StepResult")
+            check_messages(result.messages, "step")
+            traj.reward, traj.info = float(result.reward), dict(result.info)
+            if result.done:
+                traj.outcome = "done"
+                return
+            if turn == s.max_turns:
+                traj.outcome = "max_turns"
+                return
+            new = tool_messages + list(result.messages)
+            delta = self.renderer.delta(new, reply_ids)
+            if traj.length + len(delta) >= s.max_model_len:
+                raise ContextFull()
+            traj.context(delta)
+            traj.messages.extend(new)
+
+    async def _reply(self, traj: Trajectory) -> tuple[list[int], str]:
+        """One reply, on the newest version; a stopped turn continues where it was cut."""
+        s = self.settings
+        reply: list[int] = []
+        while True:
+            room = min(s.max_tokens - len(reply), s.max_model_len - traj.length)
+            if room < 1:
+                if not reply:
+                    raise ContextFull()
+                return reply, "length"
+            prompt = traj.prompt_ids + traj.ids
+            result = await self.generate(GenRequest(prompt, self.adapter, n=1, max_tokens=room,
+                                                    temperature=s.temperature, top_p=s.top_p, tag=self.tag,
+                                                    keep_partial=s.partial))
+            sample = result.samples[0] if result.samples else None
+            if result.status is GenStatus.STOPPED and sample is not None and result.version is not None:
+                traj.sampled(sample.token_ids, sample.logprobs, result.version)
+                reply += sample.token_ids
+                traj.resumed_turns += 1
+                traj.tokens_reprefilled += traj.length
+                continue
+            if not result.ok or sample is None:
+                raise EpisodeAborted(result)
+            traj.sampled(sample.token_ids, sample.logprobs, result.version if result.version is not None else -1)
+            return reply + sample.token_ids, sample.finish_reason
+
+    async def _use_tools(self, text: str, turn: int, truncated: bool,
+                         traj: Trajectory) -> tuple[Reply, list[Message]]:
+        """Parse and run the reply's tool calls; their results are the next messages."""
+        if self.toolbox is None:
+            return Reply(text, text.strip(), [], [], turn, truncated), []
+        calls, errors = parse_tool_calls(text)
+        results = [await self.toolbox.run(call) for call in calls]
+        results += [ToolResult(None, message, error=True) for message in errors]
+        traj.tool_calls += len(calls)
+        traj.tool_errors += sum(r.error for r in results)
+        reply = Reply(text, strip_tool_calls(text), calls, results, turn, truncated)
+        return reply, [{"role": "tool", "content": r.content} for r in results]
+
+
+def check_messages(messages: Any, what: str) -> None:
+    ok = isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                            and isinstance(m.get("content", ""), str) for m in messages)
+    if not ok:
+        raise EpisodeError(f"{what} must return a list of {{'role': str, 'content': str}} messages")

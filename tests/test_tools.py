@@ -1,0 +1,177 @@
+"""Tools for agent environments: schemas, the fallback prompt, parsing calls, guarded runs."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lora_async.envs.base import ToolCall
+from lora_async.envs.tools import (
+    ToolBox, ToolError, fallback_tool_prompt, parse_tool_calls, strip_tool_calls, template_supports_tools,
+    tool_schemas,
+)
+from tests.tool_fixtures import calculate, crash, nap, undocumented
+
+FORMAT = '<tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+
+
+def local_tool() -> None:
+    def inner(x: int) -> int:
+        """Doc.
+
+        Args:
+            x: a number
+        """
+        return x
+
+    return inner
+
+
+def test_schema_from_a_typed_documented_function():
+    (schema,) = tool_schemas([calculate])
+    assert schema["type"] == "function"
+    fn = schema["function"]
+    assert fn["name"] == "calculate" and fn["description"] == "Evaluate an arithmetic expression."
+    assert fn["parameters"]["properties"] == {
+        "expression": {"type": "string", "description": 'digits and + - * / ( ), e.g. "12 * (3 + 4)"'}
+    }
+    assert fn["parameters"]["required"] == ["expression"]
+    prompt = fallback_tool_prompt([schema])
+    assert "- calculate: Evaluate an arithmetic expression. Parameters: {" in prompt
+    assert '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>' in prompt
+
+
+def test_unusable_tools_are_refused_by_name():
+    with pytest.raises(ToolError, match="undocumented.*no docstring"):
+        tool_schemas([undocumented])
+    with pytest.raises(ToolError, match="<lambda>: tools must be module-level functions"):
+        tool_schemas([lambda x: x])
+    with pytest.raises(ToolError, match="inner: tools must be module-level functions.*inside a function"):
+        tool_schemas([local_tool()])
+
+
+def test_parse_good_calls_and_strip_them():
+    text = ('Let me compute. <tool_call>{"name": "calculate", "arguments": {"expression": "2+2"}}</tool_call>'
+            ' and <tool_call>\n{"name": "nap", "parameters": {"seconds": 0}}\n</tool_call> done')
+    calls, errors = parse_tool_calls(text)
+    assert calls == [ToolCall("calculate", {"expression": "2+2"}), ToolCall("nap", {"seconds": 0})]
+    assert errors == []
+    assert strip_tool_calls(text) == "Let me compute.  and  done"
+
+
+def test_parse_unterminated_final_block_and_string_arguments():
+    as_string = '{"name": "calculate", "arguments": "{\\"expression\\": \\"1\\"}"}'
+    calls, errors = parse_tool_calls(f"ok <tool_call>{as_string}")  # cut by the token limit
+    assert calls == [ToolCall("calculate", {"expression": "1"})] and errors == []
+    assert strip_tool_calls('ok <tool_call>{"name": "calculate"') == "ok"
+
+
+def test_parse_malformed_blocks_give_readable_errors_in_order():
+    text = ('<tool_call>{"name": "calculate" "arguments": {}}</tool_call>'
+            '<tool_call>{"arguments": {"x": 1}}</tool_call>'
+            '<tool_call>{"name": "calculate", "arguments": [1]}</tool_call>'
+            '<tool_call>{"name": "calculate", "arguments": {"expression": "3"}}</tool_call>')
+    calls, errors = parse_tool_calls(text)
+    assert calls == [ToolCall("calculate", {"expression": "3"})]
+    assert errors == [
+        f"error: could not parse tool call: Expecting ',' delimiter at char 21; write {FORMAT}",
+        f'error: the tool call has no "name"; write {FORMAT}',
+        f"error: the \"arguments\" of tool call 'calculate' must be a JSON object; write {FORMAT}",
+    ]
+
+
+@pytest.fixture
+def toolbox():
+    box = ToolBox([calculate, nap], timeout_s=1.0)
+    yield box
+    box.close()
+
+
+def run(box: ToolBox, name: str, **arguments) -> object:
+    return asyncio.run(box.run(ToolCall(name, arguments)))
+
+
+def test_toolbox_runs_a_call_and_reports_mistakes(toolbox):
+    good = run(toolbox, "calculate", expression="6 * 7")
+    assert good.content == "42" and not good.error
+    assert good.call == ToolCall("calculate", {"expression": "6 * 7"})
+    unknown = run(toolbox, "calc", expression="1")
+    assert unknown.error and unknown.content == "error: unknown tool 'calc'; available: calculate, nap"
+    extra = run(toolbox, "calculate", expression="1", precision=2)
+    assert extra.error
+    assert extra.content == "error: TypeError: calculate() got an unexpected keyword argument 'precision'"
+    missing = run(toolbox, "calculate")
+    assert missing.content == "error: TypeError: calculate() missing a required argument: 'expression'"
+    raised = run(toolbox, "calculate", expression="import os")
+    assert raised.error and raised.content.startswith("error: ValueError: only digits")
+    assert toolbox.calls == 5 and toolbox.errors == 4 and toolbox.timeouts == 0
+    # The model reads the message; the person reading last_error also gets where it was raised.
+    assert toolbox.last_error.startswith("calculate: ValueError: only digits")
+    assert "tool_fixtures.py:" in toolbox.last_error
+
+
+def test_toolbox_cuts_off_a_hanging_tool_and_recovers(toolbox):
+    started = time.monotonic()
+    hung = run(toolbox, "nap", seconds=30)
+    assert time.monotonic() - started < 10
+    assert hung.error and hung.content == "error: tool 'nap' timed out after 1s"
+    assert toolbox.timeouts == 1 and toolbox.errors == 1
+    assert run(toolbox, "nap", seconds=0).content == "slept 0"  # a fresh worker took over
+
+
+def test_a_tool_that_kills_its_worker_is_an_error_and_the_next_call_works():
+    box = ToolBox([crash, calculate], timeout_s=5.0, workers=1)
+    try:
+        died = run(box, "crash", code=3)
+        assert died.error and died.content.startswith("error: worker died (exit code 3)")
+        assert run(box, "crash", code=4).content.startswith("error: worker died (exit code 4)")  # restarted
+        assert run(box, "calculate", expression="1+1").content == "2"
+        assert box.errors == 2 and box.timeouts == 0
+    finally:
+        box.close()
+
+
+def test_toolbox_calls_run_concurrently_off_the_event_loop(toolbox):
+    async def both():
+        started = time.monotonic()
+        results = await asyncio.gather(toolbox.run(ToolCall("nap", {"seconds": 0.6})),
+                                       toolbox.run(ToolCall("nap", {"seconds": 0.6})))
+        return results, time.monotonic() - started
+
+    results, took = asyncio.run(both())
+    assert [r.content for r in results] == ["slept 0.6", "slept 0.6"]
+    assert took < 1.1  # two workers: side by side, not one after the other
+
+
+def test_tool_module_outside_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "far_tools.py").write_text(
+        'def echo(text: str) -> str:\n    """Echo.\n\n    Args:\n        text: what to echo\n    """\n'
+        "    return text\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import far_tools
+
+    box = ToolBox([far_tools.echo], timeout_s=5.0)
+    try:
+        assert run(box, "echo", text="hi").content == "hi"
+    finally:
+        box.close()
+        sys.modules.pop("far_tools", None)
+
+
+def test_template_supports_tools(tokenizer_dir: Path):
+    from transformers import AutoTokenizer
+
+    schemas = tool_schemas([calculate])
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert not template_supports_tools(tok, schemas)  # SmolLM2's template ignores tools=
+    tok.chat_template = (
+        "{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    assert template_supports_tools(tok, schemas)
