@@ -9,7 +9,7 @@ BENCH_STAMP := $(VENV)/.lora-async-bench-installed
 PEERS_BUDGET ?= 300
 PEERS_OUT ?= runs/peers
 
-.PHONY: install demo test bench bench-peers clean
+.PHONY: test-long install demo test bench bench-peers clean
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# Minutes of training on the real default model (learning asserted); not part of `make test`.
+test-long: install
+	$(BIN)/python -m pytest -q -m long
 
 # The figures in bench/RESULTS.md (each command is also listed there).
 bench: install

@@ -64,8 +64,10 @@ async def evaluate_episodes(generate: Callable[[GenRequest], Awaitable[GenResult
     def mean(values: list[float]) -> float:
         return sum(values) / n if n else 0.0
 
+    versions = [v for t in episodes for v, trained in zip(t.versions, t.trained) if trained]
     return EvalResult(
-        adapter=adapter, version=None, accuracy=mean([float(t.success) for t in episodes]),
+        adapter=adapter, version=max(versions) if adapter is not None and versions else None,
+        accuracy=mean([float(t.success) for t in episodes]),
         mean_reward=mean([t.reward for t in episodes]), n=n,
         examples=[transcript(t) for t in episodes[:EXAMPLES]],
         extra={"turns_mean": mean([t.turns for t in episodes]), "tool_calls_mean": mean([t.tool_calls for t in episodes]),
@@ -75,16 +77,9 @@ async def evaluate_episodes(generate: Callable[[GenRequest], Awaitable[GenResult
 
 
 def transcript(t: Trajectory) -> tuple[str, str, str]:
-    """(the opening user message, the model's replies and the answers to them, the outcome)."""
-    opening = next((m["content"] for m in t.messages if m["role"] == "user"), "")
-    seen = False
-    lines = []
-    for m in t.messages:
-        if m["role"] == "user" and not seen:
-            seen = True
-            continue
-        if seen:
-            lines.append(f"[{m['role']}] {m['content']}")
+    """(the opening's last user message, the conversation after it, the outcome)."""
+    opening = next((m["content"] for m in reversed(t.messages[: t.opened]) if m["role"] == "user"), "")
+    lines = [f"[{m['role']}] {m['content']}" for m in t.messages[t.opened:]]
     return opening, "\n".join(lines), f"{t.outcome}, reward {t.reward:g}"
 
 

@@ -72,8 +72,9 @@ def read_metrics(path: Path) -> list[dict]:
 
 def step_marks(run: "Run", adapter: "AdapterRun") -> dict[str, float]:
     """Where the clocks stand when an adapter's step begins (its line reports the differences)."""
-    return {"wall": time.perf_counter(), "busy": run.generator.stats.busy_s,
-            "tokens": adapter.counters.tokens_generated}
+    stats = run.generator.stats
+    return {"wall": time.perf_counter(), "busy": stats.busy_s, "tokens": adapter.counters.tokens_generated,
+            "engine_steps": stats.steps, "engine_running": stats.running}
 
 
 def step_row(run: "Run", adapter: "AdapterRun", groups: list["Group"], stats: "StepStats") -> dict[str, Any]:
@@ -107,6 +108,7 @@ def step_row(run: "Run", adapter: "AdapterRun", groups: list["Group"], stats: "S
         "loss": stats.loss, "grad_norm": stats.grad_norm, "updated": stats.updated,
         "sync_ms": 0.0, "sync_wait_ms": 0.0, "learner_s": stats.seconds,
         "gen_idle_frac": max(0.0, 1.0 - gen_busy / elapsed),
+        "engine_running_mean": engine_running_mean(run, marks),
         "learner_idle_frac": max(0.0, 1.0 - stats.seconds / elapsed),
         "logprob_mismatch": ls.logprob_mismatch, "logprob_mismatch_onpolicy": ls.onpolicy_mismatch,
         "skipped_nonfinite": adapter.counters.skipped_nonfinite,
@@ -114,6 +116,13 @@ def step_row(run: "Run", adapter: "AdapterRun", groups: list["Group"], stats: "S
         "aborted_stale_groups": adapter.counters.aborted_stale, "reward_errors": adapter.task.stats.errors,
         **episode_figures(adapter, groups),
     }
+
+
+def engine_running_mean(run: "Run", marks: dict[str, float]) -> float | None:
+    """Requests in flight per engine step since the step began (None where not counted)."""
+    stats = run.generator.stats
+    steps = stats.steps - marks.get("engine_steps", stats.steps)
+    return (stats.running - marks["engine_running"]) / steps if steps else None
 
 
 def episode_figures(adapter: "AdapterRun", groups: list["Group"]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """`lora-async plot`: runs side by side against wall-clock (reward, held-out accuracy, policy lag,
-sync time), one labelled line per run (and per adapter in a fleet). Headless matplotlib."""
+sync time; for environments reward, held-out success, tool-call rate and turns), one labelled
+line per run (and per adapter in a fleet). Headless matplotlib."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ PANELS = (
     ("accuracy", "held-out accuracy (greedy)"),
     ("policy_lag_mean", "policy lag (versions)"),
     ("sync_ms", "adapter sync (ms)"),
+)
+# Environment runs (their step rows count episodes). A key in both step and eval rows is drawn
+# for both: the training rollouts as a line, the held-out episodes as dots.
+ENV_PANELS = (
+    ("reward_mean", "reward (policy)"),
+    ("accuracy", "held-out success (greedy episodes)"),
+    ("tool_call_rate", "episodes calling a tool (line: rollouts, dots: held-out)"),
+    ("turns_mean", "turns per episode (line: rollouts, dots: held-out)"),
 )
 
 
@@ -48,17 +57,20 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None) -> Path
     for run_dir in run_dirs:
         for label, rows in load_run(run_dir).items():
             series[label if label not in series else f"{label} ({run_dir})"] = rows
+    episodic = any("episodes" in r for rows in series.values() for r in rows if "kind" not in r)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    for ax, (key, label) in zip(axes.flat, PANELS):
+    for ax, (key, label) in zip(axes.flat, ENV_PANELS if episodic else PANELS):
         for name, rows in series.items():
-            if key == "accuracy":
-                wanted = [r for r in rows if r.get("kind") == "eval"]
-            else:
-                wanted = [r for r in rows if "kind" not in r]
-            points = [(r["wall_s"], r[key]) for r in wanted if r.get(key) is not None]
-            if points:
-                xs, ys = zip(*sorted(points))
-                ax.plot(xs, ys, marker="o" if key == "accuracy" else None, markersize=3, label=name)
+            steps = [(r["wall_s"], r[key]) for r in rows if "kind" not in r and r.get(key) is not None]
+            evals = [(r["wall_s"], r[key]) for r in rows if r.get("kind") == "eval" and r.get(key) is not None]
+            color = None
+            if steps:
+                xs, ys = zip(*sorted(steps))
+                color = ax.plot(xs, ys, label=name)[0].get_color()
+            if evals:
+                xs, ys = zip(*sorted(evals))
+                ax.plot(xs, ys, marker="o", markersize=3, color=color, linestyle=":" if steps else "-",
+                        label=None if steps else name)
         ax.set_title(label)
         ax.grid(alpha=0.3)
     for ax in axes[1]:

@@ -89,6 +89,11 @@ def no_step(index, split):
 
 
 not_callable = 3
+
+
+def by_turns(turns, completion, **fields):
+    """A user episode reward, called by keyword: 1/turns, and 0 unless the last reply was an "x"."""
+    return 1.0 / turns if completion.startswith("x") else 0.0
 '''
 
 
@@ -273,6 +278,26 @@ def test_an_unusable_environment_fails_at_startup_naming_the_field(tmp_path, env
     with pytest.raises(EnvLoadError, match=message) as info:
         EnvSource(cfg.task, 0)
     assert str(info.value).startswith("task.env") and "\n" not in str(info.value)
+
+
+def segments(sample) -> int:
+    """Replies in a trajectory: runs of trained tokens."""
+    flags = sample.token_trained()
+    return sum(1 for i, t in enumerate(flags) if t and (i == 0 or not flags[i - 1]))
+
+
+def test_a_user_episode_reward_is_called_by_keyword(tmp_path, env_module, capsys):
+    cfg = config(tmp_path, task={"reward": "fake_envs:by_turns"}, run={"max_steps": 3})
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.05, reply=numbered)
+    summary = run(cfg, parts)
+    assert summary["reward_errors"] == 0
+    samples = [s for t in parts.fake_learner.trained for s in t.samples]
+    assert samples
+    for s in samples:
+        done = s.finish_reason == "done"
+        assert s.reward == pytest.approx(1.0 / segments(s) if done else 0.0)
+    line = next(line for line in capsys.readouterr().err.splitlines() if "reward fake_envs:by_turns" in line)
+    assert "by_turns gets prompt, completion, answer, messages, turns, tool_calls, env_reward" in line
 
 
 def test_the_cli_exits_2_on_an_unusable_environment(tmp_path, env_module):

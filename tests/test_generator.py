@@ -240,6 +240,36 @@ def test_stale_rollouts_are_cut_short_and_other_requests_are_not(engine, tiny_mo
     assert fresh[0].ok and fresh[0].version == k + 1
 
 
+def test_a_stopped_partial_rollout_keeps_its_tokens_and_continues_on_the_newest_version(engine, tiny_model):
+    """keep_partial: a turn cut short by `abort_older` comes back STOPPED with the tokens (and
+    sampling logprobs) drawn so far on its version; the same turn continued from its context on
+    the new version is a normal request; streaming changes no token."""
+    k = next_version(engine, "c")
+    publish(engine, random_adapter(tiny_model, "c", k, seed=61))
+    whole = greedy(engine, "c", PROMPTS[0], max_tokens=40)
+    streamed = generate(engine, GenRequest(PROMPTS[0], "c", max_tokens=40, keep_partial=True, **GREEDY))
+    assert streamed.ok and streamed.samples[0].token_ids == whole.samples[0].token_ids
+    assert streamed.samples[0].logprobs == pytest.approx(whole.samples[0].logprobs, abs=1e-4)
+    stopped = []
+    engine.submit(GenRequest(PROMPTS[0], "c", tag="rollout", max_tokens=400, min_tokens=400, keep_partial=True,
+                             **GREEDY), stopped.append)
+    time.sleep(0.5)
+    publish(engine, random_adapter(tiny_model, "c", k + 1, seed=62))
+    engine.abort_older("c", k + 1, "rollout")
+    deadline = time.time() + 60
+    while not stopped and time.time() < deadline:
+        time.sleep(0.02)
+    result = stopped[0]
+    assert result.status is GenStatus.STOPPED and result.version == k
+    drawn = result.samples[0]
+    assert 0 < len(drawn.token_ids) < 400 and len(drawn.logprobs) == len(drawn.token_ids)
+    same = min(len(drawn.token_ids), len(whole.samples[0].token_ids) - 1)  # before any end-of-text
+    assert drawn.token_ids[:same] == whole.samples[0].token_ids[:same]  # greedy: the same path, streamed
+    rest = generate(engine, GenRequest(PROMPTS[0] + drawn.token_ids, "c", tag="rollout", max_tokens=8,
+                                       keep_partial=True, **GREEDY))
+    assert rest.ok and rest.version == k + 1 and len(rest.samples[0].token_ids) == 8
+
+
 def test_publish_retire_cycles_stay_bounded(engine, tiny_model):
     """(e) 50 publish/retire cycles: registered adapters stay within bounds, memory flat."""
     proc = psutil.Process(os.getpid())

@@ -1,9 +1,11 @@
 """`lora-async bench e2e`: asynchronous vs synchronous training on the same config and budget.
 
-Both runs are the real CLI in a subprocess (one vLLM engine per process), one after the other:
-`max_staleness` as configured (async; at least 1) and `max_staleness = 0` (sync). Placement is
-`auto` for both: async splits the cores between generator and learner, sync gives both all
-cores (they take turns). Held-out accuracy is evaluated every `eval_every` steps.
+Every run is the real CLI in a subprocess (one vLLM engine per process), one after the other:
+`max_staleness` as configured (async; at least 1) and `max_staleness = 0` (sync); on an
+environment task also async without partial rollouts (a turn made too stale is aborted and its
+group dropped). Placement is `auto` for all: async splits the cores between generator and
+learner, sync gives both all cores (they take turns). Held-out accuracy (success rate) is
+evaluated every `eval_every` steps; `target` is the one timed.
 """
 
 from __future__ import annotations
@@ -18,15 +20,25 @@ from ..config import TrainConfig
 from .proc import last_error, run_logged, summarize_run
 
 
-def run_e2e_bench(config: TrainConfig, budget: float, out: Path, eval_every: int = 2,
-                  config_path: Path | None = None) -> dict[str, Any]:
+def bench_modes(config: TrainConfig) -> list[tuple[str, int, bool]]:
+    """(name, max_staleness, partial_rollouts) of each run."""
     staleness = max(1, config.buffer.max_staleness)
-    report: dict[str, Any] = {"config": str(config_path) if config_path else None, "budget_s": budget}
-    for mode, s in (("async", staleness), ("sync", 0)):
+    if config.task.type == "env" and config.adapters is None:
+        return [("async-partial", staleness, True), ("async", staleness, False), ("sync", 0, False)]
+    return [("async", staleness, config.buffer.partial_rollouts), ("sync", 0, False)]
+
+
+def run_e2e_bench(config: TrainConfig, budget: float, out: Path, eval_every: int = 2,
+                  config_path: Path | None = None, target: float = 0.5) -> dict[str, Any]:
+    report: dict[str, Any] = {"config": str(config_path) if config_path else None, "budget_s": budget,
+                              "target": target}
+    modes = bench_modes(config)
+    for mode, s, partial in modes:
         run_dir = out / mode
         shutil.rmtree(run_dir, ignore_errors=True)
         cfg = config.model_copy(deep=True)
         cfg.buffer.max_staleness = s
+        cfg.buffer.partial_rollouts = partial
         cfg.run.time_budget_s = budget
         cfg.run.max_steps = 100_000
         cfg.run.output_dir = str(run_dir)
@@ -44,9 +56,15 @@ def run_e2e_bench(config: TrainConfig, budget: float, out: Path, eval_every: int
         done = run_logged([sys.executable, "-m", "lora_async.bench.run_json", str(config_file)], log)
         if done.returncode != 0:
             raise RuntimeError(f"{mode} run failed (see {log}): {last_error(log)}")
-        report[mode] = {"max_staleness": s, **summarize_run(run_dir, budget)}
-    a, b = report["async"], report["sync"]
-    if a["time_to_acc_0.5_s"] and b["time_to_acc_0.5_s"]:
-        report["sync_over_async_time_to_0.5"] = b["time_to_acc_0.5_s"] / a["time_to_acc_0.5_s"]
+        report[mode] = {"max_staleness": s, "partial_rollouts": partial, **summarize_run(run_dir, budget, target)}
+    sync = report["sync"]
+    for mode, *_ in modes[:-1]:
+        a = report[mode]
+        if a["time_to_acc_0.5_s"] and sync["time_to_acc_0.5_s"]:
+            report[f"sync_over_{mode}_time_to_0.5"] = sync["time_to_acc_0.5_s"] / a["time_to_acc_0.5_s"]
+        if a["time_to_target_s"] and sync["time_to_target_s"]:
+            report[f"sync_over_{mode}_time_to_target"] = sync["time_to_target_s"] / a["time_to_target_s"]
+        if sync["trained_tokens_per_s"]:
+            report[f"{mode}_over_sync_trained_tokens_per_s"] = a["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report

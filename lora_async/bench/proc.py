@@ -191,7 +191,7 @@ def last_error(log: Path) -> str:
 # ------------------------------------------------------------------ the summary of a run
 
 
-def summarize_run(run_dir: Path, budget: float) -> dict[str, Any]:
+def summarize_run(run_dir: Path, budget: float, target: float = TARGET_ACCURACY) -> dict[str, Any]:
     """Figures of one run from its `metrics.jsonl` (lora-async's format; the peer benchmark's TRL
     run writes it too). Step rows have no `kind`; eval rows have kind = "eval". Figures that
     need lora-async-only fields (generator idle time, adapter syncs, stale drops) are None for
@@ -208,6 +208,15 @@ def summarize_run(run_dir: Path, budget: float) -> dict[str, Any]:
         "wall_s": wall,
         "budget_s": budget,
         "time_to_acc_0.5_s": next((e["wall_s"] for e in evals if e["accuracy"] >= TARGET_ACCURACY), None),
+        "target": target,
+        "time_to_target_s": next((e["wall_s"] for e in evals if e["accuracy"] >= target), None),
+        "tokens_trained": sum(r.get("tokens_trained", 0) for r in steps),
+        "trained_tokens_per_s": sum(r.get("tokens_trained", 0) for r in steps) / wall if wall else 0.0,
+        "engine_running_mean": _mean_of(steps, "engine_running_mean"),
+        "version_span_mean": _mean_of(steps, "version_span_mean"),
+        "resumed_turns": steps[-1].get("resumed_turns_total") if steps else None,
+        "tokens_reprefilled": steps[-1].get("tokens_reprefilled_total") if steps else None,
+        "aborted_stale_groups": steps[-1].get("aborted_stale_groups") if steps else None,
         "accuracy_start": evals[0]["accuracy"] if evals else None,
         "accuracy_end": evals[-1]["accuracy"] if evals else None,
         "accuracy_max": max((e["accuracy"] for e in evals), default=None),
@@ -222,6 +231,11 @@ def summarize_run(run_dir: Path, budget: float) -> dict[str, Any]:
         "dropped_stale": steps[-1].get("dropped_stale") if steps else 0,
         **_engine_figures(steps, wall),
     }
+
+
+def _mean_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(values) if values else None
 
 
 def _engine_figures(steps: list[dict[str, Any]], wall: float) -> dict[str, float | None]:

@@ -87,15 +87,17 @@ def bench_e2e(
     config: Path = typer.Argument(Path("examples/arithmetic.toml"), help=CONFIG_HELP),
     budget: float = typer.Option(300.0, "--budget", help="Wall-clock seconds of training per mode."),
     eval_every: int = typer.Option(2, "--eval-every", help="Held-out eval every N steps."),
-    out: Path = typer.Option(Path("runs/bench-e2e"), "--out", help="Where the two runs go."),
+    out: Path = typer.Option(Path("runs/bench-e2e"), "--out", help="Where the runs go."),
+    target: float = typer.Option(0.5, "--target", help="Held-out accuracy (success rate) whose time is reported."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Async (max_staleness >= 1) vs sync (max_staleness = 0) on the same config and budget."""
+    """Async (max_staleness >= 1) vs sync (max_staleness = 0) on the same config and budget;
+    on an environment also async without partial rollouts."""
     cfg = load_or_exit(config, set_)
     from ..bench.e2e import run_e2e_bench
 
-    report = run_e2e_bench(cfg, budget, out, eval_every, config)
+    report = run_e2e_bench(cfg, budget, out, eval_every, config, target)
     print(json.dumps(report, indent=None if as_json else 2))
 
 

@@ -54,6 +54,7 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # sampling version (context tokens: -1)
     messages: list[Message] = field(default_factory=list)
+    opened: int = 0  # how many of `messages` are the opening
     reward: float = 0.0
     outcome: str = "running"  # done | max_turns | truncated | env_error
     turns: int = 0
@@ -169,7 +170,8 @@ class Episode:
         EpisodeAborted if generation cannot go on; anything later ends it with `outcome`."""
         opening = await guarded(self.env.reset, timeout_s=self.settings.env_timeout_s, what="reset")
         check_messages(opening, "reset")
-        traj = Trajectory(self.renderer.opening(opening), messages=self.renderer.with_system(opening))
+        messages = self.renderer.with_system(opening)
+        traj = Trajectory(self.renderer.opening(opening), messages=messages, opened=len(messages))
         try:
             await self._turns(traj)
         except ContextFull:

@@ -133,9 +133,9 @@ class EnvSource:
         import math
 
         assert self.reward is not None
-        users = [m["content"] for m in trajectory.messages if m["role"] == "user"]
-        replies = [m["content"] for m in trajectory.messages if m["role"] == "assistant"]
-        fields = {"prompt": users[0] if users else "", "completion": replies[-1] if replies else "",
+        users = [m["content"] for m in trajectory.messages[: trajectory.opened] if m["role"] == "user"]
+        replies = [m["content"] for m in trajectory.messages[trajectory.opened:] if m["role"] == "assistant"]
+        fields = {"prompt": users[-1] if users else "", "completion": replies[-1] if replies else "",
                   "answer": str(trajectory.info.get("answer", "")), "messages": trajectory.messages,
                   "turns": trajectory.turns, "tool_calls": trajectory.tool_calls, "env_reward": trajectory.reward,
                   **trajectory.info}

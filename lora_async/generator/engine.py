@@ -223,7 +223,7 @@ class VllmGenerator:
                 if self._engine.busy():
                     began = time.perf_counter()
                     reports = self._engine.step()
-                    self.stats.add(busy_s=time.perf_counter() - began)
+                    self.stats.add(busy_s=time.perf_counter() - began, steps=1, running=len(self._pending))
                     for request_id, samples, finished in reports:
                         self._progress(request_id, samples, finished)
         except BaseException as exc:

@@ -137,6 +137,8 @@ class GeneratorStats:
         self.aborted = 0
         self.tokens = 0
         self.busy_s = 0.0  # time the engine spent generating
+        self.steps = 0  # engine steps (the in-process engine only)
+        self.running = 0  # requests in flight, summed over engine steps (mean batch = running / steps)
         self.rejected_versions = 0
 
     def add(self, **deltas: float) -> None:
