@@ -114,7 +114,7 @@ def step_row(run: "Run", adapter: "AdapterRun", groups: list["Group"], stats: "S
         "skipped_nonfinite": adapter.counters.skipped_nonfinite,
         "rejected_versions": adapter.counters.rejected_versions,
         "aborted_stale_groups": adapter.counters.aborted_stale, "reward_errors": adapter.task.stats.errors,
-        **episode_figures(adapter, groups),
+        **episode_figures(adapter),
     }
 
 
@@ -125,13 +125,14 @@ def engine_running_mean(run: "Run", marks: dict[str, float]) -> float | None:
     return (stats.running - marks["engine_running"]) / steps if steps else None
 
 
-def episode_figures(adapter: "AdapterRun", groups: list["Group"]) -> dict[str, Any]:
-    """Environment tasks: this step's episodes (success, turns, tools, versions spanned) and the
-    run's fault counters. Empty for single-turn tasks."""
-    rows = [row for g in groups for row in g.episodes]
-    if not rows:
-        return {}
+def episode_figures(adapter: "AdapterRun") -> dict[str, Any]:
+    """Environment tasks: the episodes of every group taken for this step (trained or skipped as
+    flat: the policy's figures, like `reward_mean`) and the run's fault counters. Empty for
+    single-turn tasks."""
+    rows = adapter.pulled_episodes
     c = adapter.counters
+    if not rows:
+        return {"episodes": 0} if c.episodes else {}
 
     def mean(key: str) -> float:
         return statistics.fmean(r[key] for r in rows)

@@ -52,6 +52,11 @@ class VllmGeneratorConfig(GeneratorBase):
     fast_cpu_lora: bool = Field(
         True, description="Use lora-async's grouped CPU LoRA kernels instead of vLLM's per-token gather."
     )
+    block_size: int | None = Field(
+        None, ge=16, le=1024, multiple_of=16,
+        description="KV-cache block in tokens (None = vLLM's default: 128 on CPU). Multi-turn episodes "
+                    "reuse more of their context from the prefix cache with small blocks (32 on CPU).",
+    )
     device: Device = Field("auto", description="'auto', 'cpu' or 'cuda:N'.")
     cpus: Cpus = Field("auto", description="CPU cores for the generator on CPU ('auto', '0', '0-3'); None = all.")
 

@@ -21,69 +21,18 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..placement import Placement, pin_current_thread
 from .registry import LiveVersion, VersionRegistry
+from .spec import EngineSpec
 from .types import (AdapterVersion, Delivery, GenRequest, GenResult, GeneratorDead, GeneratorStats, GenStatus,
                     PublishStats, Sample, hand_back)
 from .validate import AdapterError, BaseShapes, VersionCheck
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig
     from .vllm.client import EngineClient
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long the idle engine thread blocks on its queue before re-checking
 STARTUP_TIMEOUT_S = 900.0  # engine start on a slow CPU with a larger model
-DEFAULT_MAX_NUM_SEQS = 256  # vLLM's own default: sequences decoded in one batch
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What the engine needs to start. `from_config` is the one way a run builds it."""
-
-    model_dir: Path
-    adapters: tuple[str, ...]
-    max_staleness: int
-    max_lora_rank: int
-    dtype: str = "bfloat16"
-    memory_fraction: float = 0.2
-    kv_cache_gb: float | None = None
-    max_model_len: int = 1024
-    seed: int = 0
-    fast_cpu_lora: bool = True
-    engine_log: bool = False
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    separate_process: bool = False  # the engine core (and its worker) in a child process
-
-    @classmethod
-    def from_config(cls, config: "TrainConfig", model_dir: Path, device: str, *,
-                    adapters: tuple[str, ...] | None = None, max_staleness: int | None = None,
-                    max_lora_rank: int | None = None, separate_process: bool | None = None) -> "EngineSpec":
-        """The engine a run's `[generator]` (type "vllm") describes on `device`; evaluation
-        engines override the adapters, the staleness window, the rank and the process."""
-        from ..dtypes import resolve_dtype
-
-        gen = config.generator
-        return cls(
-            model_dir=Path(model_dir),
-            adapters=tuple(config.adapter_names) if adapters is None else adapters,
-            max_staleness=config.buffer.max_staleness if max_staleness is None else max_staleness,
-            max_lora_rank=config.max_lora_rank if max_lora_rank is None else max_lora_rank,
-            dtype=resolve_dtype(config.model.dtype, device), memory_fraction=gen.memory_fraction,
-            kv_cache_gb=gen.kv_cache_gb,
-            max_model_len=gen.max_model_len, seed=config.run.seed, fast_cpu_lora=gen.fast_cpu_lora,
-            engine_log=config.run.engine_log,
-            separate_process=gen.engine_process == "separate" if separate_process is None else separate_process,
-        )
-
-    @property
-    def max_loras(self) -> int:
-        """Adapters in one batch: every live version of every adapter, plus one being published."""
-        return len(self.adapters) * (self.max_staleness + 1) + 1
-
-    @property
-    def max_cpu_loras(self) -> int:
-        """Registered versions: the batch slots plus one draining version per adapter."""
-        return self.max_loras + len(self.adapters)
 
 
 @dataclass

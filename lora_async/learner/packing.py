@@ -18,6 +18,12 @@ import torch
 
 from ..buffer import TrainSample
 
+# Rows wider than this are split (each part repeats the prompt). Attention over a packed row is
+# quadratic in its width, and the 4-D prompt-tree mask keeps CPU attention on the plain path: a
+# guessing-game step (4 groups of 8 episodes of up to 8 turns, ~2,300 tokens per group row) grew
+# the process past 13 GB and ran for minutes before this cap.
+MAX_ROW_TOKENS = 1024
+
 
 def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     """Pack sequence indices into micro-batches whose padded size (rows x longest) fits the budget.
@@ -79,8 +85,9 @@ def unit_tokens(samples: list[TrainSample], unit: list[int]) -> int:
 def plan_step(samples: list[TrainSample], token_budget: int) -> list[list[list[int]]]:
     """Micro-batches of rows of sample indices: one prompt unit per row, rows packed to the budget.
 
-    A unit bigger than the budget is split into several rows that repeat the prompt.
+    A unit wider than the budget (or MAX_ROW_TOKENS) is split into several rows that repeat the prompt.
     """
+    width = min(token_budget, MAX_ROW_TOKENS)
     rows: list[list[int]] = []
     for unit in prompt_units(samples):
         prompt_len = len(samples[unit[0]].prompt_ids)
@@ -88,7 +95,7 @@ def plan_step(samples: list[TrainSample], token_budget: int) -> list[list[list[i
         size = prompt_len
         for i in unit:
             extra = len(samples[i].completion_ids)
-            if row and size + extra > token_budget:
+            if row and size + extra > width:
                 rows.append(row)
                 row, size = [], prompt_len
             row.append(i)

@@ -40,6 +40,7 @@ async def collect_batch(run: Run, adapter: AdapterRun) -> list[Group] | None:
     cfg = run.config.learner
     groups, adapter.carry = adapter.carry, []
     adapter.pulled_rewards = [s.reward for g in groups for s in g.samples]
+    adapter.pulled_episodes = [row for g in groups for row in g.episodes]
     keep_flat = run.config.loss.kl_coef > 0  # the KL term has a gradient even without advantages
     pulled = 0
     while len(groups) < cfg.groups_per_step:
@@ -50,6 +51,7 @@ async def collect_batch(run: Run, adapter: AdapterRun) -> list[Group] | None:
             continue
         pulled += 1
         adapter.pulled_rewards.extend(group.rewards)
+        adapter.pulled_episodes.extend(group.episodes)
         informative = group.informative or keep_flat
         adapter.informative_rate += INFORMATIVE_EMA * (float(informative) - adapter.informative_rate)
         if not informative:

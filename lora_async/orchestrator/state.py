@@ -106,6 +106,7 @@ class AdapterRun:
     in_flight: int = 0
     carry: list[Group] = field(default_factory=list)  # taken, but did not fit the last step
     pulled_rewards: list[float] = field(default_factory=list)  # every group taken for this step
+    pulled_episodes: list[dict[str, float]] = field(default_factory=list)  # ... and their episodes
     informative_rate: float = 1.0  # running share of groups with a reward signal
     counters: Counters = field(default_factory=Counters)
     last_reward: float | None = None

@@ -23,7 +23,7 @@ from .worker import LoraAsyncWorkerExtension as Worker
 
 if TYPE_CHECKING:
     from ...placement import Placement
-    from ..engine import EngineSpec
+    from ..spec import EngineSpec
 
 EXTENSION = f"{Worker.__module__}.{Worker.__qualname__}"
 WATCH_POLL_S = 0.5  # how often the dead-engine watch looks at vLLM's flag
@@ -66,6 +66,7 @@ class EngineClient:
             kv_cache_memory_bytes=int(spec.kv_cache_gb * (1 << 30)) if spec.kv_cache_gb else None,
             worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs", disable_log_stats=True,
             use_tqdm_on_load=spec.engine_log,  # "Loading safetensors checkpoint shards" only when asked
+            **({"block_size": spec.block_size} if spec.block_size else {}),
         )
         engine = LLMEngine.from_engine_args(args, enable_multiprocessing=spec.separate_process)
         watch_stop = None

@@ -31,7 +31,7 @@ REQUIRED_LOAD_ADAPTER_PARAMS = ("self", "lora_request")
 REQUIRED_MANAGER_ATTRS = ("_adapter_manager", "lora_config", "vocab_size", "max_position_embeddings")
 REQUIRED_CLIENT_ATTRS = ("outputs_queue", "utility_results", "resources")
 ENGINE_ARGS = ("model", "dtype", "seed", "max_model_len", "max_num_seqs", "enable_lora", "max_loras",
-               "max_cpu_loras", "max_lora_rank", "gpu_memory_utilization", "kv_cache_memory_bytes",
+               "max_cpu_loras", "max_lora_rank", "gpu_memory_utilization", "kv_cache_memory_bytes", "block_size",
                "worker_extension_cls", "logprobs_mode", "disable_log_stats", "use_tqdm_on_load")
 ENV_VARS = ("VLLM_LOGGING_LEVEL", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")
 
