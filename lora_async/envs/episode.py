@@ -27,8 +27,6 @@ from .base import Message, Reply, StepResult, ToolResult
 from .render import ChatRenderer
 from .tools import ToolBox, parse_tool_calls, strip_tool_calls
 
-ROLLOUT_TAG = "rollout"  # GenRequest.tag of training rollouts (the only requests stopped as stale)
-
 
 class EpisodeError(Exception):
     """The environment failed (raised, hung, or broke the interface); the episode ends."""
@@ -160,7 +158,8 @@ class Episode:
 
     def __init__(self, env: Any, renderer: ChatRenderer, toolbox: ToolBox | None, settings: EpisodeSettings,
                  generate: Callable[[GenRequest], Awaitable[GenResult]], adapter: str | None,
-                 tag: object = ROLLOUT_TAG) -> None:
+                 tag: object) -> None:
+        """`tag` goes on every request (the orchestrator's rollout tag: what `abort_older` stops)."""
         self.env, self.renderer, self.toolbox, self.settings = env, renderer, toolbox, settings
         self.generate, self.adapter, self.tag = generate, adapter, tag
         self.tokenizer = renderer.tokenizer
