@@ -183,8 +183,10 @@ def test_partial_rollouts_continue_a_stale_turn_on_the_newest_version(tmp_path, 
     """Turns that take far longer than a step: with partial rollouts they are stopped, keep the
     tokens they drew (on their version), and go on on the newest version."""
     rng = random.Random(0)
-    cfg = config(tmp_path, buffer={"max_staleness": 1, "stale_policy": "is-correct"}, run={"max_steps": 8})
-    parts = FakeParts(["main"], gen_delay=lambda: 1.5 if rng.random() < 0.3 else 0.02, step_s=0.1,
+    # The run lasts ~14 x 0.3 s, long enough for groups whose turns were stopped (a slow turn is
+    # 1 s) to finish and be trained on before it ends.
+    cfg = config(tmp_path, buffer={"max_staleness": 1, "stale_policy": "is-correct"}, run={"max_steps": 14})
+    parts = FakeParts(["main"], gen_delay=lambda: 1.0 if rng.random() < 0.3 else 0.02, step_s=0.25,
                       reply=numbered)
     summary = run(cfg, parts)
     assert summary["resumed_turns"] > 0 and summary["tokens_reprefilled"] > 0
