@@ -213,11 +213,13 @@ def test_partial_rollouts_continue_a_stale_turn_on_the_newest_version(tmp_path, 
 
 def test_without_partial_rollouts_a_stale_turn_drops_its_group(tmp_path, env_module):
     rng = random.Random(0)
-    cfg = config(tmp_path, buffer={"max_staleness": 1, "partial_rollouts": False}, run={"max_steps": 8})
-    parts = FakeParts(["main"], gen_delay=lambda: 1.5 if rng.random() < 0.3 else 0.02, step_s=0.1,
+    # as above: the run outlasts a slow turn, so the groups it aborts are counted before it ends
+    cfg = config(tmp_path, buffer={"max_staleness": 1, "partial_rollouts": False}, run={"max_steps": 14})
+    parts = FakeParts(["main"], gen_delay=lambda: 1.0 if rng.random() < 0.3 else 0.02, step_s=0.25,
                       reply=x_or_y)
     summary = run(cfg, parts)
-    assert summary["aborted_stale_groups"] > 0 and summary["resumed_turns"] == 0
+    assert parts.fake_generator.aborted  # turns were cut short in the engine ...
+    assert summary["aborted_stale_groups"] > 0 and summary["resumed_turns"] == 0  # ... and their groups dropped
     assert not any(how == "stopped" for *_, how in parts.fake_generator.served)
 
 
