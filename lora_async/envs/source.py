@@ -8,7 +8,9 @@ failure is one `EnvLoadError` line naming the config field (`task.env`), exit co
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import math
 import os
 import sys
 from typing import Any, Awaitable, Callable
@@ -100,10 +102,16 @@ class EnvSource:
             line += "; " + self.reward.describe(list(REWARD_FIELDS))
         return line
 
+    async def build(self, index: int, split: Split) -> Any:
+        """The environment of problem `index` (EpisodeError or TypeError if the factory fails)."""
+        env = await guarded(self.factory, index, split, timeout_s=self.config.env_timeout_s, what="the factory")
+        check_env(env, self.where)
+        return env
+
     async def opening_ids(self, index: int, split: Split, tokenizer: Any) -> list[int] | None:
         """The rendered opening of an episode (None if the environment fails to open it)."""
         try:
-            env = await guarded(self.factory, index, split, timeout_s=self.config.env_timeout_s, what="the factory")
+            env = await self.build(index, split)
             messages = await guarded(env.reset, timeout_s=self.config.env_timeout_s, what="reset")
             return self.renderer(tokenizer).opening(messages)
         except (EpisodeError, TypeError, KeyError):
@@ -115,8 +123,7 @@ class EnvSource:
         """One episode of problem `index`. Environment faults end it as `env_error` (counted);
         generation faults raise `EpisodeAborted`."""
         try:
-            env = await guarded(self.factory, index, split, timeout_s=self.config.env_timeout_s, what="the factory")
-            check_env(env, self.where)
+            env = await self.build(index, split)
             trajectory = await Episode(env, self.renderer(tokenizer), self.toolbox, settings, generate, adapter,
                                        tag).play()
         except (EpisodeError, TypeError) as exc:
@@ -129,9 +136,6 @@ class EnvSource:
         return trajectory
 
     async def _score(self, trajectory: Trajectory) -> float:
-        import asyncio
-        import math
-
         assert self.reward is not None
         users = [m["content"] for m in trajectory.messages[: trajectory.opened] if m["role"] == "user"]
         replies = [m["content"] for m in trajectory.messages[trajectory.opened:] if m["role"] == "assistant"]
