@@ -47,7 +47,7 @@ class VllmGeneratorConfig(GeneratorBase):
         description="vLLM gpu_memory_utilization; on CPU the share of RAM for the KV cache.",
     )
     kv_cache_gb: float | None = Field(
-        None, gt=0, le=1024, description="Explicit KV-cache size in GB (overrides memory_fraction)."
+        None, gt=0, le=1_000_000, description="Explicit KV-cache size in GB (overrides memory_fraction)."
     )
     fast_cpu_lora: bool = Field(
         True, description="Use lora-async's grouped CPU LoRA kernels instead of vLLM's per-token gather."
@@ -56,6 +56,10 @@ class VllmGeneratorConfig(GeneratorBase):
         None, ge=16, le=1024, multiple_of=16,
         description="KV-cache block in tokens (None = vLLM's default: 128 on CPU). Multi-turn episodes "
                     "reuse more of their context from the prefix cache with small blocks (32 on CPU).",
+    )
+    quantization: Literal["none", "bitsandbytes"] = Field(
+        "none", description="'bitsandbytes': vLLM quantises the base to 4 bits as it loads it (CUDA only; untested "
+                            "by lora-async's CI, which has no GPU).",
     )
     device: Device = Field("auto", description="'auto', 'cpu' or 'cuda:N'.")
     cpus: Cpus = Field("auto", description="CPU cores for the generator on CPU ('auto', '0', '0-3'); None = all.")

@@ -45,6 +45,10 @@ class ModelConfig(Section):
         "auto", description="Dtype vLLM serves the base in; 'auto': bfloat16 where the device computes it "
                             "natively (GPUs, CPUs with AVX512-BF16/AMX), else float32."
     )
+    quantization: Literal["none", "nf4", "int8"] = Field(
+        "none", description="How the learner holds the frozen base: 'none' (at learner.dtype), 'nf4' (4-bit "
+                            "QLoRA) or 'int8', both with bitsandbytes. The generator serves the unquantised base.",
+    )
 
 
 class AdapterConfig(Section):
@@ -104,6 +108,27 @@ class LearnerConfig(Section):
     )
     device: Device = Field("auto", description="'auto', 'cpu' or 'cuda:N'.")
     cpus: Cpus = Field("auto", description="CPU cores for the learner on CPU ('auto', '1', '2-3'); None = all.")
+    devices: list[Device] | None = Field(
+        None, description="A data-parallel learner: one rank per entry, e.g. ['cuda:1', 'cuda:2'] (overrides "
+                          "learner.device); ['cpu', 'cpu'] splits learner.cpus between CPU ranks (gloo).",
+    )
+
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return value
+        if not value:
+            raise ValueError("must name at least one device (or be left out)")
+        if "auto" in value:
+            raise ValueError("entries must be 'cpu' or 'cuda:N', not 'auto'")
+        kinds = {"cpu" if d == "cpu" else "cuda" for d in value}
+        if len(kinds) > 1:
+            raise ValueError("mixes CPU and CUDA ranks; use one kind")
+        gpus = [d for d in value if d != "cpu"]
+        if len(set(gpus)) != len(gpus):
+            raise ValueError("names a GPU twice; give each rank its own device")
+        return value
 
 
 class BufferConfig(Section):

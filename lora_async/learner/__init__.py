@@ -19,11 +19,12 @@ import torch
 
 from ..buffer import TrainSample
 from ..config import LearnerConfig, LoraConfig, LossConfig
-from ..dtypes import resolve_dtype, torch_dtype
+from ..dtypes import resolve_dtype
 from ..generator.types import AdapterVersion
 from ..generator.validate import peft_config_dict
 from ..loss import LossStats, policy_loss
 from ..placement import Placement
+from .base import load_base, quiet_int8_casts
 from .logprobs import completion_logprobs
 from .packing import build_micro_batch, plan_step
 
@@ -58,12 +59,13 @@ class Learner:
 
     def __init__(self, model_dir: Path, adapters: dict[str, tuple[LoraConfig, float]],
                  learner: LearnerConfig, loss: LossConfig, placement: Placement,
-                 temperature: float | dict[str, float], seed: int) -> None:
+                 temperature: float | dict[str, float], seed: int, quantization: str = "none") -> None:
         """`adapters`: name -> (LoRA shape, learning rate); `temperature`: the sampling
-        temperature of the generator (per adapter in a fleet), so logprobs match vLLM's."""
+        temperature of the generator (per adapter in a fleet), so logprobs match vLLM's;
+        `quantization`: how the frozen base is held ("none", "nf4", "int8": see `base.py`)."""
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.cfg = learner
         self.loss_cfg = loss
@@ -71,11 +73,11 @@ class Learner:
                              else {name: float(temperature) for name in adapters})
         self.device = torch.device(placement.device)
         torch.manual_seed(seed)
-        # sdpa takes the boolean 4-D prompt-tree masks built in `build_micro_batch` as they are.
         self.dtype = resolve_dtype(learner.dtype, placement.device)
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(self.dtype),
-                                                    attn_implementation="sdpa")
-        base.to(self.device)
+        self.quantization = quantization
+        if quantization == "int8":
+            quiet_int8_casts()
+        base = load_base(model_dir, self.dtype, quantization, self.device)
         if learner.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -91,7 +91,7 @@ class LocalParts:
         specs = self.config.adapter_specs
         return Learner(self.model_dir, {s.name: (s.lora, s.lr) for s in specs}, self.config.learner,
                        self.config.loss, self.learner_placement, {s.name: s.sampling.temperature for s in specs},
-                       self.config.run.seed)
+                       self.config.run.seed, self.config.model.quantization)
 
 
 async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: Parts | None = None) -> Run:
