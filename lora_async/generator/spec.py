@@ -30,6 +30,7 @@ class EngineSpec:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     separate_process: bool = False  # the engine core (and its worker) in a child process
     block_size: int | None = None  # KV-cache block (tokens); None = vLLM's default for the device
+    quantization: str = "none"  # "bitsandbytes": vLLM quantises the base as it loads it
 
     @classmethod
     def from_config(cls, config: "TrainConfig", model_dir: Path, device: str, *,
@@ -50,7 +51,7 @@ class EngineSpec:
             max_model_len=gen.max_model_len, seed=config.run.seed, fast_cpu_lora=gen.fast_cpu_lora,
             engine_log=config.run.engine_log,
             separate_process=gen.engine_process == "separate" if separate_process is None else separate_process,
-            block_size=gen.block_size,
+            block_size=gen.block_size, quantization=gen.quantization,
         )
 
     @property

