@@ -4,12 +4,23 @@ On CPU both live in one process, each on its own thread. Linux applies `sched_se
 to the calling thread, and OpenMP worker threads inherit the affinity of the thread that
 starts them, so pinning each thread before its first torch op gives each part its own cores.
 torch's intra-op thread count is per OpenMP master thread, so each part also sets its own.
+
+A data-parallel learner (`learner.devices`) has one placement per rank: a GPU each, or an even
+share of the learner's cores each (ranks 1.. are processes of their own, pinned the same way).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+
+class PlacementError(ValueError):
+    """A placement this machine cannot give (a missing GPU, too few cores); the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -57,27 +68,79 @@ def cuda_available() -> bool:
         return False
 
 
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if cuda_available() else 0
+
+
+def check_devices(devices: list[str] | None) -> None:
+    """Every `cuda:N` of `learner.devices` exists here: checked before any model loads, so a
+    wrong list fails in seconds with one line instead of deep inside a rank's start."""
+    wanted = [d for d in devices or () if d != "cpu"]
+    if not wanted:
+        return
+    count = gpu_count()
+    if count == 0:
+        raise PlacementError(f"learner.devices: {', '.join(wanted)} named, but this machine has no CUDA "
+                             "device; use 'cpu' ranks or leave learner.devices out")
+    missing = [d for d in wanted if int(d.split(":")[1]) >= count]
+    if missing:
+        have = "cuda:0 only" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise PlacementError(f"learner.devices: {', '.join(missing)} does not exist (this machine has {have})")
+
+
+def free_gpu(taken: list[str]) -> str:
+    """The first GPU the learner's ranks do not use: where an `auto` generator goes."""
+    count = gpu_count()
+    for index in range(count):
+        if f"cuda:{index}" not in taken:
+            return f"cuda:{index}"
+    raise PlacementError(f"learner.devices takes every GPU ({count}); set generator.device to the one "
+                         "the generator should share, or list fewer learner.devices")
+
+
+def rank_placements(devices: list[str] | None, learner: Placement) -> list[Placement]:
+    """One placement per data-parallel rank: a GPU each, or an even share of the learner's cores
+    (`learner` is what `resolve` gave the learner; rank 0 is always first)."""
+    if devices is None or len(devices) < 2:
+        return [learner]
+    if devices[0] != "cpu":
+        return [Placement(device, None) for device in devices]
+    cores = sorted(learner.cpus) if learner.cpus else available_cpus()
+    n = len(devices)
+    if len(cores) < n:
+        raise PlacementError(f"learner.devices: {n} CPU ranks need a core each, but the learner has "
+                             f"{len(cores)} (cores {format_cpus(set(cores))}); give learner.cpus at least {n} cores")
+    return [Placement("cpu", frozenset(cores[i * len(cores) // n:(i + 1) * len(cores) // n])) for i in range(n)]
+
+
 def resolve(
     generator_device: str | None,
     generator_cpus: str | None,
     learner_device: str,
     learner_cpus: str | None,
     concurrent: bool,
+    learner_devices: list[str] | None = None,
 ) -> tuple[Placement, Placement]:
-    """Turn config strings into placements.
+    """Turn config strings into placements (the learner's: rank 0's device, before `rank_placements`).
 
     `auto` devices pick CUDA when present (generator on cuda:0, learner on cuda:1 if there
-    are two GPUs). `generator_device=None`: no local generator (remote servers); the learner
+    are two GPUs; with `learner_devices`, the learner takes those and the generator the first
+    GPU not among them). `generator_device=None`: no local generator (remote servers); the learner
     then takes cuda:0, and the returned generator placement is only a placeholder. `auto` core sets on CPU split the cores in two when generation and training
     run concurrently (`max_staleness > 0`), since each scales sub-linearly with cores; with
     synchronous training the two take turns, so both get every core.
     """
     have_cuda = cuda_available()
     local_generator = generator_device is not None
+    if learner_devices:
+        check_devices(learner_devices)
+        learner_device = learner_devices[0]
     if generator_device is None:
         generator_device = "cpu"
     elif generator_device == "auto":
-        generator_device = "cuda:0" if have_cuda else "cpu"
+        generator_device = free_gpu(learner_devices or []) if have_cuda else "cpu"
     if learner_device == "auto":
         if have_cuda:
             import torch
@@ -99,7 +162,7 @@ def resolve(
         wanted = parse_cpus(text)
         missing = wanted - set(cores)
         if missing:
-            raise ValueError(f"cores {format_cpus(missing)} are not available (have {format_cpus(set(cores))})")
+            raise PlacementError(f"cores {format_cpus(missing)} are not available (have {format_cpus(set(cores))})")
         return Placement("cpu", wanted)
 
     # The generator gets the first half: vLLM's decode loop also needs a core for its
@@ -107,6 +170,20 @@ def resolve(
     gen = pick(generator_device, generator_cpus, cores[: len(cores) - half])
     learn = pick(learner_device, learner_cpus, cores[len(cores) - half :])
     return gen, learn
+
+
+def place_run(config: "TrainConfig") -> tuple[Placement, list[Placement]]:
+    """The generator's placement and one per learner rank, from the config alone (no model is
+    loaded), so `lora-async train` rejects a placement this machine cannot give in seconds.
+    Raises `PlacementError`."""
+    gen, learner = config.generator, config.learner
+    if gen.engine_home == "server":  # no engine of ours: only the learner is placed
+        generator, rank0 = resolve(None, None, learner.device, learner.cpus, concurrent=False,
+                                   learner_devices=learner.devices)
+    else:  # `auto` splits the cores only when generation and training run concurrently
+        generator, rank0 = resolve(gen.device, gen.cpus, learner.device, learner.cpus,
+                                   concurrent=config.buffer.max_staleness > 0, learner_devices=learner.devices)
+    return generator, rank_placements(learner.devices, rank0)
 
 
 def pin_current_thread(placement: Placement) -> None:

@@ -230,6 +230,9 @@ class FakeLearner:
     def snapshot_logprobs(self, version: AdapterVersion, samples: list[TrainSample]) -> list[list[float]]:
         return [list(s.logprobs) for s in samples]
 
+    def close(self) -> None:
+        self.events.append("learner closed")
+
     def state_dict(self, adapter: str) -> dict[str, Any]:
         self.events.append(f"checkpoint {adapter}@v{self.version(adapter)}")
         return {"version": self.version(adapter)}

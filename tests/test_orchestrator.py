@@ -124,6 +124,28 @@ def test_a_dead_engine_stops_the_run_with_its_error_and_a_checkpoint(tmp_path):
     assert "engine" in summary["error"]
 
 
+def test_a_failing_learner_fails_the_run_with_a_checkpoint_and_no_final_adapter(tmp_path):
+    """A learner step that raises (a dead data-parallel rank, out of memory) ends the run as a
+    failure: its error, a checkpoint of the steps before it, and no "final" adapter."""
+    cfg = config(tmp_path, run={"max_steps": 50, "canary_every": 0})
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.02)
+    learner_step = parts.fake_learner.train_step
+
+    def step_or_die(adapter, samples):
+        if parts.fake_learner.version(adapter) == 3:
+            raise TrainingError("learner rank 1 (pid 4242) died (killed by SIGKILL)")
+        return learner_step(adapter, samples)
+
+    parts.fake_learner.train_step = step_or_die
+    with pytest.raises(TrainingError, match="rank 1 .* died"):
+        run(cfg, parts)
+    out = Path(cfg.run.output_dir)
+    state = json.loads((out / "checkpoints" / (out / "checkpoints" / "LATEST").read_text() / "state.json").read_text())
+    assert state["step"] == 3
+    assert not (out / "adapters" / "main" / "final").exists()
+    assert "died" in json.loads((out / "summary.json").read_text())["error"]
+
+
 def test_sigterm_stops_after_the_step_in_order(tmp_path):
     cfg = config(tmp_path, run={"max_steps": 50, "checkpoint_every": 0})
     parts = FakeParts(["main"], gen_delay=lambda: 0.02, step_s=0.05)
@@ -138,9 +160,10 @@ def test_sigterm_stops_after_the_step_in_order(tmp_path):
     assert len(rows) == summary["steps"]  # every step trained has its metrics line
     events = parts.events
     last = f"main@v{summary['version']}"
-    # the last version is published, then checkpointed, then the transport, then the engine close
+    # the last version is published, then checkpointed, then the transport, the engine and the
+    # learner (a data-parallel learner ends its ranks) close
     order = [events.index(f"publish {last}"), events.index(f"checkpoint {last}"),
-             events.index("transport.close"), events.index("generator.close")]
+             events.index("transport.close"), events.index("generator.close"), events.index("learner closed")]
     assert order == sorted(order)
     assert (Path(cfg.run.output_dir) / "adapters" / "main" / "final" / "adapter_config.json").is_file()
 

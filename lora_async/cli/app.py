@@ -34,6 +34,18 @@ def train(
 ) -> None:
     """Train LoRA adapters with async GRPO-style RL while vLLM keeps generating."""
     cfg = load_or_exit(config, set_)
+    from ..placement import PlacementError, place_run
+
+    try:  # a GPU or core set this machine lacks fails here in seconds, before any model loads
+        place_run(cfg)
+    except PlacementError as exc:
+        fail(str(exc), code=2)
+    from ..preflight import PreflightError, preflight
+
+    try:
+        preflight(cfg)
+    except PreflightError as exc:
+        fail(str(exc), code=2)
     from ..quiet import quiet_start
 
     quiet_start(cfg.run.engine_log)
@@ -41,6 +53,7 @@ def train(
 
     from ..generator.server.client import ServerError
     from ..generator.types import GeneratorDead
+    from ..generator.vllm.compat import VllmCompatError
     from ..models import ModelError
     from ..orchestrator import TrainingError, train as run_train
     from ..sync.transports import TransportError
@@ -51,7 +64,8 @@ def train(
         summary = asyncio.run(run_train(cfg, resume=resume))
     except EnvLoadError as exc:  # a config mistake found when the environment is loaded
         fail(str(exc), code=2)
-    except (TrainingError, ModelError, RewardError, TransportError, ServerError, GeneratorDead) as exc:
+    except (TrainingError, ModelError, RewardError, TransportError, ServerError, GeneratorDead,
+            VllmCompatError) as exc:
         fail(str(exc), code=1)
     except KeyboardInterrupt:
         fail("interrupted; the last checkpoint is in run.output_dir (use --resume)", code=130)

@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -43,6 +43,37 @@ class StepStats:
     micro_batches: int
     loss_stats: LossStats = field(default_factory=LossStats)
     seconds: float = 0.0
+
+
+@dataclass
+class Accumulated:
+    """What some micro-batches of a step added up to; their gradients stay in the params."""
+
+    loss_sum: float = 0.0
+    padded_tokens: int = 0
+    stats: LossStats = field(default_factory=LossStats)
+
+    def merge(self, other: "Accumulated") -> None:
+        self.loss_sum += other.loss_sum
+        self.padded_tokens += other.padded_tokens
+        self.stats.merge(other.stats)
+
+
+@dataclass
+class Update:
+    grad_norm: float = 0.0
+    updated: bool = False
+    nonfinite: bool = False
+
+
+def step_stats(adapter: str, version: int, samples: list[TrainSample], total_tokens: int, micro_batches: int,
+               part: Accumulated, update: Update, started: float) -> StepStats:
+    return StepStats(
+        adapter=adapter, version=version, updated=update.updated, skipped_nonfinite=update.nonfinite,
+        loss=part.loss_sum / total_tokens if total_tokens else 0.0, grad_norm=update.grad_norm,
+        samples=len(samples), tokens_trained=total_tokens, padded_tokens=part.padded_tokens,
+        micro_batches=micro_batches, loss_stats=part.stats, seconds=time.perf_counter() - started,
+    )
 
 
 @dataclass
@@ -169,73 +200,87 @@ class Learner:
         finally:
             self.model.set_adapter(version.adapter)
 
-    def _trainable(self, samples: list[TrainSample]) -> list[TrainSample]:
-        # Samples with zero advantage contribute no gradient (unless KL needs them): skip them.
+    def trainable(self, samples: list[TrainSample]) -> list[TrainSample]:
+        """The samples that train: zero advantage gives no gradient (unless KL needs them)."""
         kl = self.loss_cfg.kl_coef > 0
         return [s for s in samples if s.trained_tokens and (s.advantage != 0.0 or kl)]
 
     def fits(self, samples: list[TrainSample]) -> bool:
         """Whether one step can take all of `samples` within `learner.micro_batches_per_step`
         (the orchestrator keeps a group that does not fit for the next step)."""
-        return len(plan_step(self._trainable(samples), self.cfg.token_budget)) <= self.cfg.micro_batches_per_step
+        return len(plan_step(self.trainable(samples), self.cfg.token_budget)) <= self.cfg.micro_batches_per_step
 
     # ---- the training step
     def train_step(self, adapter: str, samples: list[TrainSample]) -> StepStats:
         started = time.perf_counter()
-        state = self.adapters[adapter]
+        self.begin_step(adapter, samples)
+        trained = self.trainable(samples)
+        total_tokens = sum(s.trained_tokens for s in trained)
+        plan = plan_step(trained, self.cfg.token_budget)
+        part = self.accumulate(adapter, trained, plan, total_tokens)
+        update = self.apply_update(adapter, part.loss_sum / total_tokens if total_tokens else 0.0, total_tokens)
+        return step_stats(adapter, self.version(adapter), samples, total_tokens, len(plan), part, update, started)
+
+    def begin_step(self, adapter: str, samples: list[TrainSample]) -> None:
+        """Check that `samples` are all `adapter`'s, make it the active adapter, clear its gradients."""
         strangers = {s.adapter for s in samples} - {adapter}
         if strangers:  # fleet isolation: one adapter's data never trains another
             raise ValueError(f"train_step({adapter!r}) got samples of {sorted(strangers)}")
         self.model.set_adapter(adapter)
-        temperature = self.temperatures[adapter]
-        kl_coef = self.loss_cfg.kl_coef
-        trained = self._trainable(samples)
-        total_tokens = sum(s.trained_tokens for s in trained)
-        plan = plan_step(trained, self.cfg.token_budget)
-        stats = LossStats()
-        loss_total = 0.0
-        padded = 0
-        state.optimizer.zero_grad(set_to_none=True)
+        self.adapters[adapter].optimizer.zero_grad(set_to_none=True)
+
+    def accumulate(self, adapter: str, samples: list[TrainSample], plan: list[list[list[int]]],
+                   total_tokens: int, on_micro_batch: Callable[[], None] | None = None) -> Accumulated:
+        """Forward and backward of `plan`'s micro-batches, the gradients summed in the params.
+
+        Each micro-batch's loss is divided by `total_tokens`, the trained tokens of the whole
+        step (a data-parallel rank's share is only part of it), so the summed gradient is the
+        step's exact token mean however the micro-batches are split. `on_micro_batch` is told
+        after each one (a data-parallel rank's heartbeat)."""
+        part = Accumulated()
         for rows in plan:
-            mb = build_micro_batch(trained, rows, self.pad_id, self.device)
-            padded += mb.padded_tokens
-            logp = completion_logprobs(self.model, mb, temperature, self.cfg.logprob_chunk)
-            ref = None
-            if kl_coef > 0:
-                with torch.no_grad(), self.model.disable_adapter():
-                    ref = completion_logprobs(self.model, mb, temperature, self.cfg.logprob_chunk)
-            loss_sum, mb_stats = policy_loss(
-                logp, mb.behaviour, mb.advantages, None, self.loss_cfg.type,
-                clip_eps=self.loss_cfg.clip_eps, ratio_cap=self.loss_cfg.ratio_cap,
-                kl_coef=kl_coef, ref_logp=ref, stale=mb.stale,
-            )
-            with torch.no_grad():
-                on_policy = mb.lag == 0
-                mb_stats.onpolicy_tokens = int(on_policy.sum())
-                mb_stats.onpolicy_mismatch_sum = float((logp - mb.behaviour)[on_policy].abs().sum())
-            (loss_sum / total_tokens).backward()
-            loss_total += float(loss_sum.detach())
-            stats.merge(mb_stats)
-        loss_value = loss_total / total_tokens if total_tokens else 0.0
-        grad_norm = 0.0
-        updated = False
-        nonfinite = False
+            part.merge(self._micro_batch(adapter, samples, rows, total_tokens))
+            if on_micro_batch is not None:
+                on_micro_batch()
+        return part
+
+    def _micro_batch(self, adapter: str, samples: list[TrainSample], rows: list[list[int]],
+                     total_tokens: int) -> Accumulated:
+        temperature, kl_coef = self.temperatures[adapter], self.loss_cfg.kl_coef
+        mb = build_micro_batch(samples, rows, self.pad_id, self.device)
+        logp = completion_logprobs(self.model, mb, temperature, self.cfg.logprob_chunk)
+        ref = None
+        if kl_coef > 0:
+            with torch.no_grad(), self.model.disable_adapter():
+                ref = completion_logprobs(self.model, mb, temperature, self.cfg.logprob_chunk)
+        loss_sum, stats = policy_loss(
+            logp, mb.behaviour, mb.advantages, None, self.loss_cfg.type,
+            clip_eps=self.loss_cfg.clip_eps, ratio_cap=self.loss_cfg.ratio_cap,
+            kl_coef=kl_coef, ref_logp=ref, stale=mb.stale,
+        )
+        with torch.no_grad():
+            on_policy = mb.lag == 0
+            stats.onpolicy_tokens = int(on_policy.sum())
+            stats.onpolicy_mismatch_sum = float((logp - mb.behaviour)[on_policy].abs().sum())
+        (loss_sum / total_tokens).backward()
+        return Accumulated(float(loss_sum.detach()), mb.padded_tokens, stats)
+
+    def apply_update(self, adapter: str, loss_value: float, total_tokens: int) -> Update:
+        """Clip the accumulated gradients and step, unless the loss or the gradient is not finite
+        (a data-parallel rank passes the all-reduced values, so every rank decides alike)."""
+        state = self.adapters[adapter]
+        update = Update()
         if total_tokens:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(state.params, self.cfg.grad_clip))
-            nonfinite = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
-            if nonfinite:
+            update.grad_norm = float(torch.nn.utils.clip_grad_norm_(state.params, self.cfg.grad_clip))
+            update.nonfinite = not (math.isfinite(loss_value) and math.isfinite(update.grad_norm))
+            if update.nonfinite:
                 state.skipped_nonfinite += 1
             else:
                 state.optimizer.step()
                 state.version += 1
-                updated = True
+                update.updated = True
         state.optimizer.zero_grad(set_to_none=True)
-        return StepStats(
-            adapter=adapter, version=state.version, updated=updated, skipped_nonfinite=nonfinite,
-            loss=loss_value, grad_norm=grad_norm, samples=len(samples), tokens_trained=total_tokens,
-            padded_tokens=padded, micro_batches=len(plan), loss_stats=stats,
-            seconds=time.perf_counter() - started,
-        )
+        return update
 
     # ---- checkpoint state
     def state_dict(self, adapter: str) -> dict[str, Any]:
@@ -249,4 +294,8 @@ class Learner:
         st.version = int(state["version"])
         st.skipped_nonfinite = int(state.get("skipped_nonfinite", 0))
 
-__all__ = ["Learner", "StepStats"]
+    def close(self) -> None:
+        """Nothing to release: the model goes with the process (a `ParallelLearner` ends its ranks)."""
+
+
+__all__ = ["Accumulated", "Learner", "StepStats", "Update", "step_stats"]

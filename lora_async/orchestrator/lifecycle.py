@@ -45,30 +45,34 @@ class Parts(Protocol):
 
 class LocalParts:
     """The real parts: the model resolved (the embedded one built on first use), the generator
-    the config names, its transport, and a peft learner, each on its placement."""
+    the config names, its transport, and a peft learner (data-parallel over `learner.devices`
+    when it names several), each on its placement."""
 
     def __init__(self, config: TrainConfig, console: Console, out_dir: Path) -> None:
         from ..models import resolve_model
-        from ..placement import resolve
+        from ..placement import PlacementError, place_run
 
         self.config, self.out_dir = config, out_dir
+        try:
+            self.generator_placement, self.rank_placements = place_run(config)
+        except PlacementError as exc:
+            raise TrainingError(str(exc)) from None
+        self.learner_placement = self.rank_placements[0]  # rank 0 runs on the learner thread
         self.model_dir = resolve_model(config.model.name, console)
-        gen, learner = config.generator, config.learner
-        if gen.engine_home == "server":  # no engine of ours: only the learner is placed
-            self.generator_placement, self.learner_placement = resolve(None, None, learner.device, learner.cpus,
-                                                                       concurrent=False)
+        gen = config.generator
+        if gen.engine_home == "server":
             self.where = f"vllm serve at {', '.join(gen.urls)}"
-        else:  # `auto` splits the cores only when generation and training run concurrently
-            self.generator_placement, self.learner_placement = resolve(
-                gen.device, gen.cpus, learner.device, learner.cpus, concurrent=config.buffer.max_staleness > 0)
+        else:
             self.where = self.generator_placement.describe() + (
                 " (engine in its own process)" if gen.engine_home == "separate" else "")
 
     def describe(self) -> str:
         config = self.config
+        ranks = self.rank_placements
+        learner = (ranks[0].describe() if len(ranks) == 1 else
+                   f"{len(ranks)} data-parallel ranks ({'; '.join(r.describe() for r in ranks)})")
         return (f"model {config.model.name} ({self.model_dir}); adapters {', '.join(config.adapter_names)}\n"
-                f"generator on {self.where}, learner on {self.learner_placement.describe()}, "
-                f"max_staleness {config.buffer.max_staleness}")
+                f"generator on {self.where}, learner on {learner}, max_staleness {config.buffer.max_staleness}")
 
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -87,11 +91,16 @@ class LocalParts:
 
     def learner(self) -> LearnerAPI:
         from ..learner import Learner
+        from ..learner.parallel import ParallelLearner
 
-        specs = self.config.adapter_specs
-        return Learner(self.model_dir, {s.name: (s.lora, s.lr) for s in specs}, self.config.learner,
-                       self.config.loss, self.learner_placement, {s.name: s.sampling.temperature for s in specs},
-                       self.config.run.seed, self.config.model.quantization)
+        config, specs = self.config, self.config.adapter_specs
+        adapters = {s.name: (s.lora, s.lr) for s in specs}
+        temperatures = {s.name: s.sampling.temperature for s in specs}
+        if len(self.rank_placements) > 1:
+            return ParallelLearner(self.model_dir, adapters, config.learner, config.loss, self.rank_placements,
+                                   temperatures, config.run.seed, config.model.quantization)
+        return Learner(self.model_dir, adapters, config.learner, config.loss, self.learner_placement,
+                       temperatures, config.run.seed, config.model.quantization)
 
 
 async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: Parts | None = None) -> Run:
@@ -116,6 +125,7 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
     # One after the other: vLLM switches torch's process-wide default dtype while it builds its
     # model, which would leak into a learner built at the same time.
     generator = await asyncio.to_thread(parts.generator)
+    learner: LearnerAPI | None = None
     try:
         transport = await asyncio.to_thread(parts.transport, generator)
         console.print(f"sync: {transport.name}")
@@ -129,6 +139,8 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
                           f"{kept} metric lines kept")
     except BaseException:
         generator.close()
+        if learner is not None:
+            pool.submit(learner.close)
         pool.shutdown(wait=False)
         raise
     run = Run(config=config, out_dir=out_dir, console=console, adapters=adapters, tokenizer=tokenizer,
@@ -192,6 +204,7 @@ async def finish_run(run: Run) -> dict[str, Any]:
         run.generator.close()
         for adapter in run.adapters.values():
             adapter.task.close()
+        run.learner_pool.submit(run.learner.close)  # on the learner's thread, after whatever it was doing
         run.learner_pool.shutdown(wait=True)
     summary = run_summary(run)
     (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

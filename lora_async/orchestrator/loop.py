@@ -62,7 +62,11 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
                 adapter, groups = await asyncio.wait_for(ready.get(), READY_POLL_S)
             except asyncio.TimeoutError:
                 continue
-            await train_step(run, adapter, groups)
+            try:
+                await train_step(run, adapter, groups)
+            except Exception as exc:  # the learner failed (a dead rank, out of memory): the run fails,
+                run.fail(exc)  # keeping a checkpoint of what was learned, not a "final" adapter
+                break
             adapter.trained.set()
             if on_step is not None:
                 on_step(run)
