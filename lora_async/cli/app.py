@@ -1,4 +1,4 @@
-"""Typer app: `lora-async train | eval | plot | adapters | serve | server | bench`."""
+"""Typer app: `lora-async train | plan | eval | plot | adapters | serve | server | bench`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from rich.console import Console
 from ..config import ConfigError
 from .bench import bench_app
 from .common import CONFIG_HELP, SET_HELP, fail, load_or_exit
+from .plan import memory_gate, plan_command
 
 app = typer.Typer(
     name="lora-async",
@@ -22,6 +23,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(bench_app, name="bench")
+app.command("plan")(plan_command)
 adapters_app = typer.Typer(help="The adapters a run stored: list and export.", no_args_is_help=True)
 app.add_typer(adapters_app, name="adapters")
 
@@ -31,6 +33,7 @@ def train(
     config: Optional[Path] = typer.Argument(None, help=CONFIG_HELP),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in run.output_dir from its checkpoint."),
+    force: bool = typer.Option(False, "--force", help="Start even when the memory plan says the run will not fit."),
 ) -> None:
     """Train LoRA adapters with async GRPO-style RL while vLLM keeps generating."""
     cfg = load_or_exit(config, set_)
@@ -46,6 +49,7 @@ def train(
         preflight(cfg)
     except PreflightError as exc:
         fail(str(exc), code=2)
+    memory_gate(cfg, force)  # `lora-async plan`'s check, still before anything loads: one line, exit 2
     from ..quiet import quiet_start
 
     quiet_start(cfg.run.engine_log)

@@ -129,6 +129,14 @@ class Learner:
         assert model is not None, "a learner needs at least one adapter"
         self.model = model
         self.model.train(any(lora.dropout > 0 for lora, _ in adapters.values()))
+        if learner.gradient_checkpointing:
+            # transformers checkpoints a decoder layer only while that layer is in training mode;
+            # the model stays in eval mode (no dropout), so only the layers themselves are marked.
+            from transformers.modeling_layers import GradientCheckpointingLayer
+
+            for module in self.model.modules():
+                if isinstance(module, GradientCheckpointingLayer):
+                    module.training = True
         for name, (lora, lr) in adapters.items():
             params = [p for n, p in model.named_parameters() if f".{name}." in n and "lora_" in n]
             for p in params:

@@ -23,8 +23,8 @@ def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head_weight: to
 def completion_logprobs(model: Any, mb: MicroBatch, temperature: float, chunk: int) -> torch.Tensor:
     """Logprob of every completion token ([N]); only those positions go through the LM head."""
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = causal_lm.model(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
+    hidden = causal_lm.model(  # no KV cache: nothing is generated, and checkpointed layers refuse one
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False,
     ).last_hidden_state
     picked = hidden[mb.rows, mb.cols]
     weight = causal_lm.get_output_embeddings().weight

@@ -71,8 +71,12 @@ class LocalParts:
         ranks = self.rank_placements
         learner = (ranks[0].describe() if len(ranks) == 1 else
                    f"{len(ranks)} data-parallel ranks ({'; '.join(r.describe() for r in ranks)})")
-        return (f"model {config.model.name} ({self.model_dir}); adapters {', '.join(config.adapter_names)}\n"
-                f"generator on {self.where}, learner on {learner}, max_staleness {config.buffer.max_staleness}")
+        lines = [f"model {config.model.name} ({self.model_dir}); adapters {', '.join(config.adapter_names)}",
+                 f"generator on {self.where}, learner on {learner}, max_staleness {config.buffer.max_staleness}"]
+        quantization = config.model.quantization
+        if quantization != "none":
+            lines.append(f"learner base: {quantization} (bitsandbytes); the generator serves the unquantised base")
+        return "\n".join(lines)
 
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer
