@@ -94,16 +94,20 @@ def child(case: str) -> dict:
             "step_s": round(seconds, 1)}
 
 
-def planned_mib(case: str) -> float:
-    """`lora-async plan`'s learner total (weights, LoRA, activations) for the case."""
+def planned_mib(case: str, tensors_only: bool = False) -> float:
+    """`lora-async plan`'s learner total (weights, LoRA, activations) for the case;
+    `tensors_only` leaves out what glibc keeps of freed memory (compare it with a child run
+    under MALLOC_MMAP_THRESHOLD_, where glibc keeps none)."""
     from lora_async.config import load_config
-    from lora_async.plan import learner_total
+    from lora_async.plan import learner_items, load_shape
 
     dtype, quantization, budget, ckpt = parse_case(case)
     config = load_config(None, [f"learner.dtype={dtype}", f"model.quantization={quantization}",
                                 f"learner.token_budget={budget}",
                                 f"learner.gradient_checkpointing={str(ckpt).lower()}"])
-    return learner_total(config, "cpu", row_tokens=ROW_PROMPT + ROW_COMPLETION) / 2**20
+    items = learner_items(config, load_shape(config.model.name), "cpu", dtype, row_tokens=ROW_PROMPT + ROW_COMPLETION)
+    kept = "freed, kept by malloc"
+    return sum(i.bytes for i in items if not (tensors_only and i.name == kept)) / 2**20
 
 
 def main() -> None:
