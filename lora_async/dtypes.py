@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .placement import cpu_native_bf16
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -30,12 +32,7 @@ def native_bf16(device: str) -> bool:
     bench/RESULTS.md section 6)."""
     if device.startswith("cuda"):
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu_native_bf16()
 
 
 def resolve_dtype(name: str, device: str) -> str:

@@ -59,6 +59,17 @@ def format_cpus(cpus: frozenset[int] | set[int]) -> str:
     return ",".join(str(c) for c in sorted(cpus))
 
 
+def cpu_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), from /proc/cpuinfo
+    without importing torch (the memory plan asks before anything heavy loads)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def cuda_available() -> bool:
     try:
         import torch

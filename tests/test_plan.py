@@ -133,7 +133,7 @@ def test_the_row_cap_is_the_learners() -> None:
 
 def test_cpu_bf16_check_agrees_with_dtypes() -> None:
     from lora_async import dtypes
-    from lora_async.plan.machine import cpu_native_bf16
+    from lora_async.placement import cpu_native_bf16
 
     assert cpu_native_bf16() == dtypes.native_bf16("cpu")
 

@@ -185,10 +185,11 @@ def test_serving_quantization_that_vllm_lacks_is_one_line():
 
     compat.check_serving_quantization("none", "cpu")
     with pytest.raises(VllmCompatError) as caught:
-        compat.check_serving_quantization("bitsandbytes", "cpu")
-    assert "\n" not in str(caught.value)
-    if "bitsandbytes" in QUANTIZATION_METHODS:  # a vLLM that has it: refused off CUDA only
-        assert "needs the generator on a CUDA GPU" in str(caught.value)
+        compat.check_serving_quantization("bitsandbytes", "cpu")  # refused off CUDA, by any vLLM
+    assert "\n" not in str(caught.value) and "needs the generator on a CUDA GPU" in str(caught.value)
+    if "bitsandbytes" in QUANTIZATION_METHODS:  # a vLLM that has it
         compat.check_serving_quantization("bitsandbytes", "cuda:0")
     else:  # vLLM 0.32 dropped it
-        assert "cannot serve a bitsandbytes base" in str(caught.value)
+        with pytest.raises(VllmCompatError) as caught:
+            compat.check_serving_quantization("bitsandbytes", "cuda:0")
+        assert "\n" not in str(caught.value) and "cannot serve a bitsandbytes base" in str(caught.value)

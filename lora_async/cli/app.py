@@ -37,15 +37,9 @@ def train(
 ) -> None:
     """Train LoRA adapters with async GRPO-style RL while vLLM keeps generating."""
     cfg = load_or_exit(config, set_)
-    from ..placement import PlacementError, place_run
-
-    try:  # a GPU or core set this machine lacks fails here in seconds, before any model loads
-        place_run(cfg)
-    except PlacementError as exc:
-        fail(str(exc), code=2)
     from ..preflight import PreflightError, preflight
 
-    try:
+    try:  # devices this machine lacks, another vLLM, a bitsandbytes that cannot load: seconds, no model
         preflight(cfg)
     except PreflightError as exc:
         fail(str(exc), code=2)

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..placement import cpu_native_bf16
 from .shapes import PlanUnavailable
 
 if TYPE_CHECKING:
@@ -104,16 +105,6 @@ def layout(config: "TrainConfig", gpus: int) -> Layout:
                                       "the generator should share, or list fewer learner.devices")
             generator = free[0] if gpus else "cpu"
     return Layout(generator, learners, local and gen.engine_home == "separate")
-
-
-def cpu_native_bf16() -> bool:
-    """`dtypes.native_bf16("cpu")` without importing torch (a test keeps the two in step)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(name: str, device: str, machine: Machine) -> str:

@@ -80,16 +80,15 @@ def check_serving_quantization(method: str, device: str, field: str = "generator
     one line. vLLM 0.32 has no bitsandbytes method at all (earlier releases had one, on CUDA)."""
     if method == "none":
         return
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
-
-    installed = installed_vllm_version()
-    if method not in QUANTIZATION_METHODS:
-        raise VllmCompatError(f"{field} = {method!r}: vLLM {installed} cannot serve a {method} base (it has no "
-                              f"such quantization method); leave it 'none' (the learner can still use "
-                              "model.quantization)")
-    if not device.startswith("cuda"):
+    if not device.startswith("cuda"):  # checked first: it needs no vLLM import
         raise VllmCompatError(f"{field} = {method!r} needs the generator on a CUDA GPU (it is on {device}); "
                               "leave it 'none'")
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    if method not in QUANTIZATION_METHODS:
+        raise VllmCompatError(f"{field} = {method!r}: vLLM {installed_vllm_version()} cannot serve a {method} "
+                              "base (it has no such quantization method); leave it 'none' (the learner can "
+                              "still use model.quantization)")
 
 
 def check_vllm_compat() -> str:
