@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.lora-async-installed
 DEMO_OUT ?= runs/demo
 BENCH_STAMP := $(VENV)/.lora-async-bench-installed
+COMMA := ,
 PEERS_BUDGET ?= 300
 PEERS_OUT ?= runs/peers
 
@@ -30,7 +31,7 @@ endef
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(call install_with,dev)
+	$(call install_with,dev$(COMMA)ray)
 	touch $(STAMP)
 
 demo: install

@@ -115,7 +115,19 @@ def step_row(run: "Run", adapter: "AdapterRun", groups: list["Group"], stats: "S
         "rejected_versions": adapter.counters.rejected_versions,
         "aborted_stale_groups": adapter.counters.aborted_stale, "reward_errors": adapter.task.stats.errors,
         **episode_figures(adapter),
+        **replica_figures(run),
     }
+
+
+def replica_figures(run: "Run") -> dict[str, Any]:
+    """A generator with replicas (Ray): the run's totals so far, per replica where it says so.
+    Empty for one engine."""
+    stats = run.generator.stats
+    if getattr(stats, "replica_tokens", None) is None:
+        return {}
+    return {"replica_tokens": list(stats.replica_tokens), "replica_requests": list(stats.replica_requests),
+            "replicas_routable": stats.replicas_routable, "replica_restarts": stats.replica_restarts,
+            "groups_resubmitted": stats.groups_resubmitted, "groups_lost": stats.groups_lost}
 
 
 def engine_running_mean(run: "Run", marks: dict[str, float]) -> float | None:
@@ -169,6 +181,7 @@ def run_summary(run: "Run") -> dict[str, Any]:
                 "tokens_reprefilled")})
         for row in (r for r in run.evals if r["adapter"] == name):
             summary[f"{prefix}accuracy_{row['when']}"] = row["accuracy"]
+    summary.update(replica_figures(run))
     if run.error is not None:
         summary["error"] = str(run.error)
     return summary

@@ -188,7 +188,7 @@ def place_run(config: "TrainConfig") -> tuple[Placement, list[Placement]]:
     loaded), so `lora-async train` rejects a placement this machine cannot give in seconds.
     Raises `PlacementError`."""
     gen, learner = config.generator, config.learner
-    if gen.engine_home == "server":  # no engine of ours: only the learner is placed
+    if gen.engine_home in ("server", "ray"):  # no engine in this process: only the learner is placed
         generator, rank0 = resolve(None, None, learner.device, learner.cpus, concurrent=False,
                                    learner_devices=learner.devices)
     else:  # `auto` splits the cores only when generation and training run concurrently

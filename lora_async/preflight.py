@@ -3,6 +3,7 @@
 `lora-async train` runs them first, so a setting that cannot work fails in seconds. Without
 them it would fail after a multi-minute model load with a traceback. The checks are:
 - placement: the devices and cores exist;
+- Ray, for a `generator.type = "ray"` run (the `ray` extra);
 - the installed vLLM release;
 - `generator.quantization`;
 - the learner's bitsandbytes quantisation, probed with one small tensor.
@@ -30,6 +31,13 @@ def check_vllm(config: "TrainConfig", generator: "Placement") -> None:
 
     if config.generator.engine_home == "server":
         return
+    if config.generator.engine_home == "ray":
+        from .generator.ray import RayError, require_ray
+
+        try:
+            require_ray()
+        except RayError as exc:
+            raise PreflightError(str(exc)) from None
     try:
         check_vllm_version()
         check_serving_quantization(config.generator.quantization, generator.device)

@@ -29,6 +29,25 @@ def random_adapter(model_dir: Path, adapter: str, version: int, seed: int, scale
     return AdapterVersion(adapter, version, tensors, config)
 
 
+def inproc_reference(model_dir: Path, adapter: str, seeds: tuple[int, ...], read) -> dict:
+    """The path every transport must match: an in-process engine where version k of `adapter`
+    (random, `seeds[k]`) is published in order, then `read(engine, k)` is taken; returns {k: read}."""
+    from lora_async.generator.engine import EngineSpec, VllmGenerator
+    from lora_async.placement import Placement
+    from lora_async.sync.transports import InprocTransport
+
+    spec = EngineSpec(model_dir=model_dir, adapters=(adapter,), max_staleness=1, max_lora_rank=8,
+                      kv_cache_gb=0.25, max_model_len=512, seed=0)
+    out = {}
+    with VllmGenerator(spec, Placement("cpu", None)) as engine:
+        transport = InprocTransport(engine)
+        for version, seed in enumerate(seeds):
+            assert transport.publish(random_adapter(model_dir, adapter, version, seed=seed)).transport == "inproc"
+            out[version] = read(engine, version)
+    assert out[0] != out[1]  # the two versions answer differently, so a stale one would show
+    return out
+
+
 def publish(engine, version: AdapterVersion) -> PublishStats:
     """The in-process path a training run takes (validate, owned tensors, register)."""
     from lora_async.sync.transports import InprocTransport

@@ -10,7 +10,8 @@ from typing import get_args
 import pytest
 
 from lora_async.config import (
-    ConfigError, HttpSync, InprocSync, NcclSync, ServerGeneratorConfig, ShmSync, TrainConfig, VllmGeneratorConfig,
+    ConfigError, HttpSync, InprocSync, NcclSync, RayGeneratorConfig, RaySync, ServerGeneratorConfig, ShmSync,
+    TrainConfig, VllmGeneratorConfig,
     dump_config, load_config, vllm_rank,
 )
 
@@ -74,7 +75,13 @@ def test_eval_max_tokens_falls_back_to_sampling():
     ("[generator]\ntype = \"server\"\nurls = []\n", "generator.urls"),
     ("[generator]\ntype = \"server\"\nurls = [\"ftp://x\"]\n",
      "generator.urls: 'ftp://x' is not a server base URL"),
-    ("[generator]\ntype = \"tpu\"\n", "generator.type: unknown 'tpu' (use 'vllm' or 'server')"),
+    ("[generator]\ntype = \"tpu\"\n", "generator.type: unknown 'tpu' (use 'vllm', 'server' or 'ray')"),
+    ("[generator]\ntype = \"ray\"\nreplicas = 0\n", "generator.replicas"),
+    ("[ray]\naddress = \"auto\"\n", "ray: [ray] is used only with generator.type = \"ray\""),
+    ("[generator]\ntype = \"ray\"\n[sync]\ntransport = \"shm\"\n",
+     "sync.transport: 'shm' needs the engine in its own process"),
+    ("[sync]\ntransport = \"ray\"\n",
+     "sync.transport: 'ray' needs engine replicas on Ray (generator.type = \"ray\")"),
     ("[sync]\ntransport = \"shm\"\n",
      "sync.transport: 'shm' needs the engine in its own process (generator.engine_process = \"separate\")"),
     ("[generator]\nengine_process = \"separate\"\n[sync]\ntransport = \"inproc\"\n",
@@ -84,7 +91,7 @@ def test_eval_max_tokens_falls_back_to_sampling():
     ("[generator]\nengine_process = \"separate\"\n[sync]\ntransport = \"http\"\n",
      "sync.transport: 'http' needs remote servers (generator.type = \"server\")"),
     ("[sync]\ntransport = \"carrier-pigeon\"\n",
-     "sync.transport: unknown 'carrier-pigeon' (use 'inproc', 'shm', 'nccl', 'cuda-ipc' or 'http')"),
+     "sync.transport: unknown 'carrier-pigeon' (use 'inproc', 'shm', 'nccl', 'cuda-ipc', 'http' or 'ray')"),
     ("[sync]\ncheckum = true\n", "sync.transport: required (one of 'inproc', 'shm'"),
     ("[run]\nlog_interval_s = -1\n", "run.log_interval_s"),
 ])
@@ -100,6 +107,8 @@ def test_config_errors_name_the_field(tmp_path, text, field):
      "generator.urls: not a setting of generator.type = \"vllm\" (check the spelling or the type)"),
     ("[generator]\ntype = \"server\"\nurls = [\"http://h:1\"]\nengine_process = \"same\"\n",
      "generator.engine_process: not a setting of generator.type = \"server\""),
+    ("[generator]\ntype = \"ray\"\ncpus = \"0\"\n",
+     "generator.cpus: not a setting of generator.type = \"ray\""),
     ("[generator]\nengine_process = \"separate\"\n[sync]\ntransport = \"shm\"\nbackend = \"gloo\"\n",
      "sync.backend: not a setting of sync.transport = \"shm\" (check the spelling or the type)"),
     ("[task]\npath = \"x.jsonl\"\n", "task.path: not a setting of task.type = \"arithmetic\""),
@@ -241,6 +250,7 @@ def test_dumped_config_loads_back_to_the_same_run(tmp_path):
     ({"generator": {"engine_process": "separate"}}, VllmGeneratorConfig, "separate", ShmSync()),
     ({"generator": {"type": "server", "urls": ["http://127.0.0.1:8000/"]}}, ServerGeneratorConfig, "server",
      HttpSync()),
+    ({"generator": {"type": "ray", "replicas": 4}}, RayGeneratorConfig, "ray", RaySync()),
 ])
 def test_sync_defaults_follow_the_engine_home(sections, generator, home, sync):
     config = TrainConfig(**sections)

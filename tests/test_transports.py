@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from .helpers import PROMPTS, generate, random_adapter
+from .helpers import PROMPTS, generate, inproc_reference, random_adapter
 from lora_async.bench.proc import free_port
 from lora_async.generator.types import GenRequest
 from lora_async.sync.pack import PackError
@@ -40,20 +40,7 @@ def assert_same_tokens(got, want, abs_tol=1e-3):
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """First-token (version, token, logprob) on PROMPTS for each version, on the in-process path."""
-    from lora_async.generator.engine import EngineSpec, VllmGenerator
-    from lora_async.placement import Placement
-    from lora_async.sync.transports import InprocTransport
-
-    spec = EngineSpec(model_dir=tiny_model, adapters=("ref",), max_staleness=1, max_lora_rank=8,
-                      kv_cache_gb=0.25, max_model_len=512, seed=0)
-    with VllmGenerator(spec, Placement("cpu", None)) as engine:
-        transport = InprocTransport(engine)
-        out = {}
-        for version, seed in enumerate(SEEDS):
-            assert transport.publish(random_adapter(tiny_model, "ref", version, seed=seed)).transport == "inproc"
-            out[version] = first_tokens(engine, "ref")
-    assert out[0] != out[1]  # the two versions answer differently, so a stale one would show
-    return out
+    return inproc_reference(tiny_model, "ref", SEEDS, lambda engine, version: first_tokens(engine, "ref"))
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ def train(
     quiet_start(cfg.run.engine_log)
     import asyncio
 
+    from ..generator.ray.cluster import RayError
     from ..generator.server.client import ServerError
     from ..generator.types import GeneratorDead
     from ..generator.vllm.compat import VllmCompatError
@@ -63,7 +64,7 @@ def train(
     except EnvLoadError as exc:  # a config mistake found when the environment is loaded
         fail(str(exc), code=2)
     except (TrainingError, ModelError, RewardError, TransportError, ServerError, GeneratorDead,
-            VllmCompatError) as exc:
+            VllmCompatError, RayError) as exc:
         fail(str(exc), code=1)
     except KeyboardInterrupt:
         fail("interrupted; the last checkpoint is in run.output_dir (use --resume)", code=130)

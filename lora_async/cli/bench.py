@@ -114,3 +114,31 @@ def bench_fleet(
     from ..bench.fleet import run_fleet_bench
 
     print(json.dumps(run_fleet_bench(cfg, k, steps, out), indent=2))
+
+
+@bench_app.command("ray")
+def bench_ray(
+    replicas: str = typer.Option("1,2,4", "--replicas", help="Replica counts for the publish latency rows."),
+    versions: int = typer.Option(12, "--versions", help="Versions published per replica count."),
+    rank: int = typer.Option(8, "--rank", help="LoRA rank (all linear layers)."),
+    prompts: int = typer.Option(64, "--prompts", help="Concurrent prompts per throughput round."),
+    tokens: int = typer.Option(64, "--tokens", help="Sampled tokens per prompt."),
+    reps: int = typer.Option(3, "--reps", help="Throughput rounds per configuration (median reported)."),
+    model: str = typer.Option("smollm2-135m", "--model", help="Model name or directory."),
+) -> None:
+    """Ray replicas on this machine: publish latency to N replicas, and tokens/s of one engine
+    against one replica per core."""
+    from ..generator.ray import RayError, require_ray
+
+    try:
+        require_ray()
+        counts = [int(n) for n in replicas.split(",")]
+    except RayError as exc:
+        fail(str(exc))
+    except ValueError:
+        fail("--replicas: give integers like '1,2,4'")
+    from ..bench.replicas import run_ray_bench
+
+    console = Console(stderr=True)
+    report = run_ray_bench(model, counts, versions, rank, prompts, tokens, reps, log=console.print)
+    print(json.dumps(report, indent=2))

@@ -15,7 +15,10 @@ CONFIG_HELP = "TOML config file (see examples/). Omit to use the defaults."
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # Escaped: messages name tables and extras in brackets ("[ray]", "lora-async[ray]").
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

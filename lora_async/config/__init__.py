@@ -13,7 +13,7 @@ message is one line naming the dotted field and the file; the CLI prints it and 
 
 from .backends import (
     DEFAULT_SYNC, ENGINE_HOME_TEXT, CudaIpcSync, EngineHome, GeneratorBase, GeneratorConfig, HttpSync, InprocSync,
-    NcclSync, ServerGeneratorConfig, ShmSync, SyncBase, SyncConfig, VllmGeneratorConfig,
+    NcclSync, RayConfig, RayGeneratorConfig, RaySync, ServerGeneratorConfig, ShmSync, SyncBase, SyncConfig, VllmGeneratorConfig,
 )
 from .load import (
     MIGRATIONS, ConfigError, apply_overrides, check_migrations, dump_config, format_validation_error, load_config,
@@ -31,7 +31,7 @@ __all__ = [
     "AdapterConfig", "AdapterSpec", "ArithmeticTask", "BufferConfig", "EnvTask", "ConfigError", "CudaIpcSync", "EngineHome",
     "FleetAdapter", "GeneratorBase", "GeneratorConfig", "HttpSync", "InprocSync", "JsonlTask", "LearnerConfig",
     "LoraConfig", "LossConfig", "ModelConfig", "NcclSync", "RunConfig", "SamplingConfig", "Section",
-    "ServerGeneratorConfig", "ShmSync", "SyncBase", "SyncConfig", "TaskConfig", "TrainConfig",
+    "RayConfig", "RayGeneratorConfig", "RaySync", "ServerGeneratorConfig", "ShmSync", "SyncBase", "SyncConfig", "TaskConfig", "TrainConfig",
     "VllmGeneratorConfig",
     "apply_overrides", "check_migrations", "dump_config", "format_validation_error", "load_config",
     "parse_override", "vllm_rank",

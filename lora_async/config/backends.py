@@ -15,13 +15,14 @@ from pydantic import Field, field_validator
 
 from .sections import Cpus, Device, Section
 
-EngineHome = Literal["same", "separate", "server"]
+EngineHome = Literal["same", "separate", "server", "ray"]
 
 # How an error names each engine home, with the setting that selects it.
 ENGINE_HOME_TEXT = MappingProxyType({
     "same": 'the engine in this process (generator.engine_process = "same")',
     "separate": 'the engine in its own process (generator.engine_process = "separate")',
     "server": 'remote servers (generator.type = "server")',
+    "ray": 'engine replicas on Ray (generator.type = "ray")',
 })
 
 
@@ -35,13 +36,9 @@ class GeneratorBase(Section):
     max_model_len: int = Field(1024, ge=64, le=1_048_576, description="Prompt + completion token limit.")
 
 
-class VllmGeneratorConfig(GeneratorBase):
-    """A vLLM engine owned by this run (in this process or its own)."""
+class EngineSettings(GeneratorBase):
+    """How a vLLM engine of this run is built: one in this process, or each Ray replica's."""
 
-    type: Literal["vllm"] = Field("vllm", description="'vllm': an engine owned by this run.")
-    engine_process: Literal["same", "separate"] = Field(
-        "same", description="Run the vLLM engine core in this process or in its own."
-    )
     memory_fraction: float = Field(
         0.2, gt=0.0, le=0.95,
         description="vLLM gpu_memory_utilization; on CPU the share of RAM for the KV cache.",
@@ -61,12 +58,46 @@ class VllmGeneratorConfig(GeneratorBase):
         "none", description="'bitsandbytes': vLLM quantises the base to 4 bits as it loads it (CUDA only; untested "
                             "by lora-async's CI, which has no GPU).",
     )
+
+
+class VllmGeneratorConfig(EngineSettings):
+    """A vLLM engine owned by this run (in this process or its own)."""
+
+    type: Literal["vllm"] = Field("vllm", description="'vllm': an engine owned by this run.")
+    engine_process: Literal["same", "separate"] = Field(
+        "same", description="Run the vLLM engine core in this process or in its own."
+    )
     device: Device = Field("auto", description="'auto', 'cpu' or 'cuda:N'.")
     cpus: Cpus = Field("auto", description="CPU cores for the generator on CPU ('auto', '0', '0-3'); None = all.")
 
     @property
     def engine_home(self) -> EngineHome:
         return self.engine_process
+
+
+class RayGeneratorConfig(EngineSettings):
+    """Engine replicas as Ray actors, each the same engine wrapper as one node's (generator/ray/)."""
+
+    type: Literal["ray"] = Field("ray", description="'ray': vLLM replicas as actors on a Ray cluster.")
+    replicas: int = Field(2, ge=1, le=1024, description="Engine replicas, each a Ray actor with its own vLLM engine.")
+    device: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="'gpu': one GPU per replica; 'cpu': a bundle of cpus_per_replica cores; 'auto': 'gpu' "
+                            "when the cluster has a GPU per replica.",
+    )
+    cpus_per_replica: int = Field(1, ge=1, le=1024, description="CPU cores in each replica's bundle.")
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for the replicas' bundles.",
+    )
+    max_restarts: int = Field(3, ge=-1, le=1000, description="Times Ray restarts a dead replica (-1: forever).")
+    down_timeout_s: float = Field(
+        180.0, gt=0, le=86400,
+        description="Every replica down for longer than this stops the run (with a checkpoint).",
+    )
+    start_timeout_s: float = Field(900.0, gt=0, le=86400, description="Give up on a replica engine that does not start.")
+
+    @property
+    def engine_home(self) -> EngineHome:
+        return "ray"
 
 
 class ServerGeneratorConfig(GeneratorBase):
@@ -92,7 +123,21 @@ class ServerGeneratorConfig(GeneratorBase):
         return [url.rstrip("/") for url in value]
 
 
-GeneratorConfig = Annotated[Union[VllmGeneratorConfig, ServerGeneratorConfig], Field(discriminator="type")]
+GeneratorConfig = Annotated[Union[VllmGeneratorConfig, ServerGeneratorConfig, RayGeneratorConfig],
+                            Field(discriminator="type")]
+
+
+class RayConfig(Section):
+    """The Ray cluster a `generator.type = "ray"` run uses."""
+
+    address: str | None = Field(
+        None, description="None: a local Ray started and stopped by the run; 'auto': join the running cluster "
+                          "(`ray start --head` on this machine or RAY_ADDRESS); or 'host:port' / 'ray://host:port'.",
+    )
+    namespace: str = Field("lora-async", min_length=1, description="Ray namespace of the run's actors.")
+    object_store_gb: float | None = Field(
+        None, gt=0, le=100_000, description="Object-store size of a local Ray in GB (None: Ray's default).",
+    )
 
 
 # ---------------------------------------------------------------- [sync]
@@ -140,6 +185,15 @@ class CudaIpcSync(SyncBase):
     timeout_s: float = Field(60.0, gt=0, le=3600, description="Give up on a receiver that does not answer.")
 
 
+class RaySync(SyncBase):
+    """One packed buffer put into Ray's object store once; every replica registers it from there."""
+
+    needs: ClassVar[EngineHome] = "ray"
+    transport: Literal["ray"] = Field("ray", description="'ray': one packed buffer through Ray's object store.")
+    checksum: bool = Field(True, description="Checksum every transfer (each replica checks it).")
+    timeout_s: float = Field(120.0, gt=0, le=3600, description="Give up on a replica that does not register in time.")
+
+
 class HttpSync(SyncBase):
     """PEFT directories the servers load over their LoRA HTTP API."""
 
@@ -153,10 +207,10 @@ class HttpSync(SyncBase):
 
 
 SyncConfig = Annotated[
-    Union[InprocSync, ShmSync, NcclSync, CudaIpcSync, HttpSync], Field(discriminator="transport")
+    Union[InprocSync, ShmSync, NcclSync, CudaIpcSync, HttpSync, RaySync], Field(discriminator="transport")
 ]
 
 # The transport a run uses when [sync] is left out, per engine home.
 DEFAULT_SYNC: MappingProxyType[str, type[SyncBase]] = MappingProxyType({
-    "same": InprocSync, "separate": ShmSync, "server": HttpSync,
+    "same": InprocSync, "separate": ShmSync, "server": HttpSync, "ray": RaySync,
 })

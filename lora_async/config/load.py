@@ -32,7 +32,7 @@ class ConfigError(Exception):
 # (dotted key, '*' matching a list index; the old value that is refused, None = any; what to do).
 # `{N}` in the text is replaced by the list index the key was found at.
 MIGRATIONS: tuple[tuple[str, Any, str], ...] = (
-    ("generator.backend", None, 'renamed generator.type ("vllm" or "server")'),
+    ("generator.backend", None, 'renamed generator.type ("vllm", "server" or "ray")'),
     *((f"generator.{key}", None, f"moved to [sampling] (sampling.{key})") for key in SamplingConfig.model_fields),
     ("sync.transport", "auto", "'auto' is gone: leave out [sync] to pick the transport from the generator"),
     ("adapters.*.generation", None, "renamed adapters.{N}.sampling"),

@@ -11,7 +11,8 @@ from typing import Any
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from .backends import DEFAULT_SYNC, ENGINE_HOME_TEXT, GeneratorConfig, SyncBase, SyncConfig, VllmGeneratorConfig
+from .backends import (DEFAULT_SYNC, ENGINE_HOME_TEXT, GeneratorConfig, RayConfig, SyncBase, SyncConfig,
+                       VllmGeneratorConfig)
 from .sections import (
     AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, LossConfig, ModelConfig, RunConfig, SamplingConfig,
     Section,
@@ -57,8 +58,9 @@ class TrainConfig(Section):
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="How rollouts are sampled.")
     generator: GeneratorConfig = Field(
-        default_factory=VllmGeneratorConfig, description="Who generates: 'vllm' (type left out) or 'server'."
+        default_factory=VllmGeneratorConfig, description="Who generates: 'vllm' (type left out), 'server' or 'ray'."
     )
+    ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster of a generator.type = 'ray' run.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The optimizer and its batches.")
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="The rollout buffer and staleness.")
     sync: SyncConfig | None = Field(
@@ -78,6 +80,7 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _cross_field(self) -> "TrainConfig":
         self._check_sync()
+        self._check_ray()
         self._check_lengths()
         if self.adapters is not None:
             self._check_fleet(self.adapters)
@@ -91,6 +94,11 @@ class TrainConfig(Section):
             f"config has {ENGINE_HOME_TEXT[self.generator.engine_home]}; change one of the two, or leave out "
             "[sync] to pick the transport from the generator"
         )
+
+    def _check_ray(self) -> None:
+        if self.ray != RayConfig() and self.generator.engine_home != "ray":
+            raise ValueError(f"ray: [ray] is used only with generator.type = \"ray\" (this config has "
+                             f"generator.type = {self.generator.type!r}); remove [ray] or change the generator")
 
     def _check_lengths(self) -> None:
         limit = self.generator.max_model_len
@@ -124,6 +132,8 @@ class TrainConfig(Section):
         if self.adapters is not None:
             data.pop("adapter", None)
             data.pop("task", None)
+        if self.generator.engine_home != "ray":
+            data.pop("ray", None)
         return data
 
     # ---- derived values (never written back) ----

@@ -158,10 +158,12 @@ class Episode:
 
     def __init__(self, env: Any, renderer: ChatRenderer, toolbox: ToolBox | None, settings: EpisodeSettings,
                  generate: Callable[[GenRequest], Awaitable[GenResult]], adapter: str | None,
-                 tag: object) -> None:
-        """`tag` goes on every request (the orchestrator's rollout tag: what `abort_older` stops)."""
+                 tag: object, group: object = None) -> None:
+        """`tag` goes on every request (the orchestrator's rollout tag: what `abort_older` stops);
+        so does `group`, shared by the episodes of one group (a generator with replicas keeps
+        them, turn after turn, on one replica)."""
         self.env, self.renderer, self.toolbox, self.settings = env, renderer, toolbox, settings
-        self.generate, self.adapter, self.tag = generate, adapter, tag
+        self.generate, self.adapter, self.tag, self.group = generate, adapter, tag, group
         self.tokenizer = renderer.tokenizer
 
     async def play(self) -> Trajectory:
@@ -218,7 +220,7 @@ class Episode:
             prompt = traj.prompt_ids + traj.ids
             result = await self.generate(GenRequest(prompt, self.adapter, n=1, max_tokens=room,
                                                     temperature=s.temperature, top_p=s.top_p, tag=self.tag,
-                                                    keep_partial=s.partial))
+                                                    keep_partial=s.partial, group=self.group))
             sample = result.samples[0] if result.samples else None
             if result.status is GenStatus.STOPPED and sample is not None and result.version is not None:
                 traj.sampled(sample.token_ids, sample.logprobs, result.version)

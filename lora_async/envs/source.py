@@ -119,13 +119,13 @@ class EnvSource:
 
     async def play(self, index: int, split: Split, tokenizer: Any, settings: EpisodeSettings,
                    generate: Callable[[GenRequest], Awaitable[GenResult]], adapter: str | None,
-                   tag: object) -> Trajectory:
+                   tag: object, group: object = None) -> Trajectory:
         """One episode of problem `index`. Environment faults end it as `env_error` (counted);
         generation faults raise `EpisodeAborted`."""
         try:
             env = await self.build(index, split)
             trajectory = await Episode(env, self.renderer(tokenizer), self.toolbox, settings, generate, adapter,
-                                       tag).play()
+                                       tag, group).play()
         except (EpisodeError, TypeError) as exc:
             trajectory = Trajectory([], outcome="env_error", error=str(exc))
         if trajectory.outcome == "done" and self.reward is not None:

@@ -2,7 +2,7 @@
 
 `types` is the contract (`Generator` protocol, requests, typed results, deliveries);
 `engine.VllmGenerator` owns an in-process vLLM engine; `server.ServerGenerator` drives remote
-`vllm serve` replicas; `registry` and `validate` are the bookkeeping and the checks both share;
+`vllm serve` replicas; `ray.RayGenerator` runs engine replicas as Ray actors; `registry` and `validate` are the bookkeeping and the checks both share;
 `vllm/` is the one place that touches vLLM itself.
 """
 
@@ -23,7 +23,12 @@ if TYPE_CHECKING:
 
 
 def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement") -> Generator:
-    """The generator `[generator]` names: an engine of our own ("vllm"), or remote servers ("server")."""
+    """The generator `[generator]` names: an engine of our own ("vllm"), remote servers ("server"),
+    or engine replicas on Ray ("ray")."""
+    if config.generator.engine_home == "ray":
+        from .ray.generator import RayGenerator
+
+        return RayGenerator.from_config(config, model_dir)
     if config.generator.engine_home == "server":
         from .server import ServerGenerator
 

@@ -288,7 +288,7 @@ class VllmGenerator:
         try:
             lora = None
             if request.adapter is not None:
-                live = self.registry.acquire(request.adapter)
+                live = self.registry.acquire(request.adapter, request.version)
                 # The path is never read while the version is live (we never let vLLM evict
                 # it); if it ever were, a missing path fails loudly instead of serving stale.
                 lora = LoraRef(live.vllm_name, live.int_id, live.path or f"lora-async://{live.vllm_name}")

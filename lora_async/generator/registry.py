@@ -73,10 +73,13 @@ class VersionRegistry:
         return self.total_live() >= self.capacity
 
     # ---- requests
-    def acquire(self, adapter: str) -> LiveVersion:
+    def acquire(self, adapter: str, version: int | None = None) -> LiveVersion:
+        """Count a request in flight on `version` (None: the newest) of `adapter`."""
         if adapter not in self._newest:
             raise RegistryError(f"adapter {adapter!r} has no published version")
-        live = self._live[adapter][self._newest[adapter]]
+        live = self._live[adapter].get(self._newest[adapter] if version is None else version)
+        if live is None:
+            raise RegistryError(f"{adapter}@v{version} is not live here (live: {self.versions(adapter)})")
         live.in_flight += 1
         return live
 

@@ -37,6 +37,8 @@ class GenRequest:
     seed: int | None = None
     tag: object = None  # opaque caller data, returned with the result (`abort_older` matches it)
     keep_partial: bool = False  # cut short by `abort_older`, return the tokens so far (STOPPED)
+    version: int | None = None  # serve exactly this live version (None: the newest); set by a router
+    group: object = None  # requests of one group share it: a multi-replica generator keeps them on one replica
 
 
 @dataclass

@@ -24,8 +24,9 @@ async def make_env_group(run: Run, adapter: AdapterRun, index: int, tag: object)
     source: EnvSource = adapter.task  # type: ignore[assignment]
     settings = EpisodeSettings.for_adapter(run.config, adapter.spec)
     n = adapter.spec.sampling.samples_per_prompt
-    played = await asyncio.gather(*(source.play(index, "train", run.tokenizer, settings, run.generate, adapter.name, tag)
-                                    for _ in range(n)), return_exceptions=True)
+    group_key = (adapter.name, index)  # its episodes share a replica where there are several
+    played = await asyncio.gather(*(source.play(index, "train", run.tokenizer, settings, run.generate, adapter.name, tag,
+                                                group_key) for _ in range(n)), return_exceptions=True)
     aborted = [p for p in played if isinstance(p, EpisodeAborted)]
     unexpected = [p for p in played if isinstance(p, BaseException) and not isinstance(p, EpisodeAborted)]
     if unexpected:

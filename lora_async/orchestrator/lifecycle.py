@@ -62,6 +62,9 @@ class LocalParts:
         gen = config.generator
         if gen.engine_home == "server":
             self.where = f"vllm serve at {', '.join(gen.urls)}"
+        elif gen.engine_home == "ray":
+            cluster = "a local Ray" if config.ray.address is None else f"the Ray cluster at {config.ray.address}"
+            self.where = f"{gen.replicas} replicas on {cluster}"
         else:
             self.where = self.generator_placement.describe() + (
                 " (engine in its own process)" if gen.engine_home == "separate" else "")

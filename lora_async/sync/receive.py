@@ -56,6 +56,18 @@ def receive_shm(segment: str, meta: dict) -> dict[str, torch.Tensor]:
     return _owned(meta, buffer)
 
 
+def receive_object(meta: dict, array: Any) -> dict[str, torch.Tensor]:
+    """Copy a packed adapter out of a Ray object (a read-only uint8 array, zero-copy from the
+    object store on the receiver's node) into a buffer of our own."""
+    import numpy as np
+
+    if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1:
+        raise PackError(f"the object is not a packed adapter buffer ({type(array).__name__})")
+    buffer = torch.empty(array.size, dtype=torch.uint8)
+    buffer.numpy()[:] = array  # the one copy: out of the object store
+    return _owned(meta, buffer)
+
+
 def receive_ipc(handle: bytes, meta: dict, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Copy a packed adapter out of another process's CUDA buffer (a `reduce_tensor` handle).
 

@@ -13,6 +13,7 @@ sender from the run's `[sync]` config (a union on `transport`).
 | `nccl`     | own process(es), any local device | one broadcast over a dedicated group (`gloo` on CPU): collective.py |
 | `cuda-ipc` | own process, same host's GPUs     | a CUDA IPC handle to the learner's packed buffer       |
 | `http`     | remote `vllm serve` replicas      | a PEFT directory, loaded on every replica: http.py     |
+| `ray`      | engine replicas as Ray actors     | a packed buffer put once in Ray's object store: objectstore.py |
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ def make_transport(config: "TrainConfig", generator: "Generator", learner_device
     """The sender the run's `[sync]` names (or the default for its generator), bound to `generator`.
 
     The config validated that the transport fits the generator (`needs` vs `engine_home`)."""
-    from ..config import CudaIpcSync, HttpSync, InprocSync, NcclSync, ShmSync
+    from ..config import CudaIpcSync, HttpSync, InprocSync, NcclSync, RaySync, ShmSync
 
     sync = config.sync_config
     match sync:
@@ -227,4 +228,8 @@ def make_transport(config: "TrainConfig", generator: "Generator", learner_device
 
             sync_dir = Path(sync.dir) if sync.dir else out_dir / "sync"
             return HttpTransport(generator, sync_dir, sync.timeout_s, sync.retry_budget_s)  # type: ignore[arg-type]
+        case RaySync():
+            from .objectstore import RayTransport
+
+            return RayTransport(generator, sync.checksum, sync.timeout_s)  # type: ignore[arg-type]
     raise TypeError(f"no transport for {type(sync).__name__}")

@@ -1,0 +1,522 @@
+"""`RayGenerator`: engine replicas on a Ray cluster behind the one `Generator` contract.
+
+Each replica is a Ray actor (`replica.Replica`) that owns one `VllmGenerator`, the engine code a
+single node runs. This class is the router in front of them, in the orchestrator's process:
+
+- **Versions, all or nothing.** The `ray` transport packs a version once and `ray.put`s it; every
+  routable replica registers it from the object store (zero-copy on its node, one transfer per
+  node), checking the checksum itself. The version becomes the newest here, the one new requests
+  get, only after that. If every replica refuses it (a damaged object), it is refused and the
+  previous version keeps serving. A replica that fails to register while others succeed is taken
+  out of routing and catches up from the same object before it takes traffic again, so it is
+  never asked for a version it does not hold.
+- **Requests name their version.** The router counts a request in flight on the newest version
+  (its registry is the run's view of what is live) and sends it pinned to that version
+  (`GenRequest.version`), so no replica serves a newer version before every replica has it.
+  A version is dropped here once it is out of the staleness window and drained on every
+  replica; its object goes with it. Each replica's own engine keeps one version more than the
+  window (`max_staleness + 1`), so a version a request may still be pinned to is never gone.
+- **Routing.** A request goes to the routable replica with the fewest outstanding tokens
+  (prompt + `n * max_tokens`). A group's samples are one request, so they share one replica
+  and their prompt is computed once. Requests that share `GenRequest.group` (the episodes of an
+  environment group, turn after turn) go where the first went while that replica is up, so
+  their contexts stay in its prefix cache; a turn moves only when its replica goes down.
+- **Faults.** A watcher pings every replica. A dead actor is out of routing at once; the requests
+  it held are resubmitted to another replica (on the newest version), up to `MAX_RESUBMITS`
+  times, then counted lost. Ray restarts the actor (`generator.max_restarts`); the watcher sees
+  the new incarnation, starts its engine, registers every live version, then routes to it
+  again. Every replica down for longer than `generator.down_timeout_s` kills the generator: the
+  run stops with that error and a checkpoint.
+
+Blocking calls (`register`, `close`) come from the orchestrator's threads; requests and the
+watchers run on this generator's own asyncio loop thread, which awaits Ray's object refs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Coroutine
+
+from ...sync.pack import PackError
+from ..registry import LiveVersion, VersionRegistry
+from ..spec import EngineSpec
+from ..types import (AdapterVersion, Delivery, GenRequest, GenResult, GeneratorDead, GeneratorStats, GenStatus,
+                     PublishStats, hand_back)
+from ..validate import BaseShapes, VersionCheck
+from . import cluster as ray_cluster
+from .replica import Replica
+
+if TYPE_CHECKING:
+    from ...config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+WATCH_S = 0.5  # how often each replica is pinged
+PING_TIMEOUT_S = 15.0  # a replica that does not answer a ping for this long is taken out of routing
+ROUTE_POLL_S = 0.02  # how often a request waiting for a routable replica looks again
+MAX_RESUBMITS = 3  # a request whose replica died is sent elsewhere this often, then counted lost
+STICKY_GROUPS = 65536  # remembered group -> replica assignments (least recently used dropped)
+REGISTRY_CAPACITY = 1 << 20  # the router only counts; each replica's engine bounds its own slots
+
+
+class RayStats(GeneratorStats):
+    """GeneratorStats plus the replicas: restarts, resubmitted and lost requests, work per replica.
+    `busy_s`, `steps` and `running` are the replicas' engine figures, averaged over replicas
+    (so `1 - busy/elapsed` is the mean replica idle share)."""
+
+    def __init__(self, replicas: int) -> None:
+        super().__init__()
+        self.replica_restarts = 0
+        self.groups_resubmitted = 0
+        self.groups_lost = 0
+        self.replica_requests = [0] * replicas
+        self.replica_tokens = [0] * replicas
+        self.replicas_routable = 0
+
+    def bump(self, field_name: str, index: int, amount: int) -> None:
+        with self._lock:
+            getattr(self, field_name)[index] += amount
+
+
+@dataclass
+class ReplicaState:
+    """The router's view of one replica."""
+
+    index: int
+    actor: Any
+    slot: int | None  # its position among the replicas on its node (which of the node's cores it pins)
+    incarnation: str | None = None
+    node: str | None = None
+    pid: int | None = None
+    routable: bool = False
+    versions: dict[str, int] = field(default_factory=dict)  # the newest version it registered, per adapter
+    outstanding: int = 0  # tokens it was asked for and has not returned
+    in_flight: int = 0
+    seen: dict[str, float] = field(default_factory=dict)  # engine counters at the last ping (this incarnation)
+    down_since: float | None = None
+    last_error: str | None = None
+
+
+class RayGenerator:
+    """Replicas of the in-process engine as Ray actors (implements `types.Generator`)."""
+
+    def __init__(self, spec: EngineSpec, model_name: str, replicas: int, *, address: str | None = None,
+                 namespace: str = "lora-async", object_store_gb: float | None = None, device: str = "auto",
+                 cpus_per_replica: int = 1, placement: str = "PACK", max_restarts: int = 3,
+                 down_timeout_s: float = 180.0, start_timeout_s: float = 900.0, register_timeout_s: float = 120.0,
+                 ) -> None:
+        # Each replica keeps one version more than the window: see the module docstring.
+        self.spec = dataclasses.replace(spec, max_staleness=spec.max_staleness + 1)
+        self.down_timeout_s, self.start_timeout_s = down_timeout_s, start_timeout_s
+        self.register_timeout_s = register_timeout_s
+        self.stats = RayStats(replicas)
+        self.registry = VersionRegistry(spec.max_staleness, REGISTRY_CAPACITY)
+        self._lock = threading.RLock()  # the registry and the replica table, shared with the caller's threads
+        self.check = VersionCheck(BaseShapes.from_model_dir(spec.model_dir), spec.max_lora_rank, self.registry,
+                                  self.stats, self._lock)
+        self._objects: dict[tuple[str, int], tuple[Any, dict]] = {}  # live versions: (ref, meta), kept for catch-up
+        self._sticky: collections.OrderedDict[object, int] = collections.OrderedDict()
+        self._dead: str | None = None
+        self._closed = False
+        self._all_down_since: float | None = None
+        self.cluster = ray_cluster.connect(address, namespace, object_store_gb, replicas, device, cpus_per_replica,
+                                           placement)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="lora-async-ray", daemon=True)
+        self._thread.start()
+        self._publish_lock: asyncio.Lock = self._on_loop(self._make_lock()).result()
+        self.replicas: list[ReplicaState] = []
+        try:
+            self.replicas = [ReplicaState(i, ray_cluster.create_replica(self.cluster, Replica, i, max_restarts,
+                                                                        self.spec, model_name, i), None)
+                             for i in range(replicas)]
+            self._on_loop(self._start_all()).result(timeout=start_timeout_s + 60)
+        except BaseException:
+            self.close()
+            raise
+        self._watchers = [self._on_loop(self._watch(r)) for r in self.replicas]
+
+    @classmethod
+    def from_config(cls, config: "TrainConfig", model_dir: Any) -> "RayGenerator":
+        """The replicas a run's `[generator]` (type "ray") and `[ray]` describe."""
+        gen, ray_config = config.generator, config.ray
+        from ...placement import cuda_available
+
+        here = cuda_available()
+        on_gpu = gen.device == "gpu" or (gen.device == "auto" and here)  # type: ignore[attr-defined]
+        spec = EngineSpec.from_config(config, model_dir, "cuda:0" if on_gpu and here else "cpu",
+                                      separate_process=False)
+        if on_gpu and not here and config.model.dtype == "auto":  # GPU replicas driven from a CPU-only machine
+            spec = dataclasses.replace(spec, dtype="bfloat16")
+        sync = config.sync_config
+        return cls(spec, config.model.name, gen.replicas, address=ray_config.address,  # type: ignore[attr-defined]
+                   namespace=ray_config.namespace, object_store_gb=ray_config.object_store_gb,
+                   device=gen.device, cpus_per_replica=gen.cpus_per_replica,  # type: ignore[attr-defined]
+                   placement=gen.placement, max_restarts=gen.max_restarts,  # type: ignore[attr-defined]
+                   down_timeout_s=gen.down_timeout_s, start_timeout_s=gen.start_timeout_s,  # type: ignore[attr-defined]
+                   register_timeout_s=getattr(sync, "timeout_s", 120.0))
+
+    # ------------------------------------------------------------------ the Generator protocol
+    def submit(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
+        if self._dead is not None:
+            raise GeneratorDead(self._dead)
+        if self._closed:
+            raise GeneratorDead("generator is closed")
+        self._on_loop(self._run(request, on_done))
+
+    def validate(self, version: AdapterVersion) -> None:
+        self.check(version)
+
+    def register(self, delivery: Delivery) -> PublishStats:
+        """`delivery.load(self, int_id)` registers the version on every routable replica
+        (`add_object`); only then is it the version new requests get."""
+        if self._dead is not None:
+            raise GeneratorDead(self._dead)
+        with self._lock:
+            self.registry.check_new(delivery.adapter, delivery.version)
+            int_id = self.registry.reserve_id()
+        try:
+            delivery.load(self, int_id)
+        except Exception:
+            self.stats.add(rejected_versions=1)
+            raise
+        with self._lock:
+            live = self.registry.add(delivery.adapter, delivery.version, int_id)
+            retired = [self._retire(old) for old in self.registry.retirable()]
+        return PublishStats(delivery.adapter, delivery.version, live.vllm_name, int_id, delivery.nbytes,
+                            (time.perf_counter() - delivery.started) * 1000, retired, transport=delivery.transport)
+
+    def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
+        if self._closed:
+            return
+        for replica in self.replicas:
+            if replica.routable:
+                self._loop.call_soon_threadsafe(replica.actor.abort_older.remote, adapter, min_version, tag)
+
+    def live_versions(self, adapter: str) -> list[int]:
+        with self._lock:
+            return self.registry.versions(adapter)
+
+    def close(self) -> None:
+        """Stop routing, stop every replica's engine, remove the actors and the placement group
+        (and stop Ray if this run started it)."""
+        import ray
+
+        if self._closed:
+            return
+        self._closed = True
+        for watcher in getattr(self, "_watchers", []):
+            watcher.cancel()
+        stops = [r.actor.shutdown.remote() for r in self.replicas]
+        try:
+            ray.get(stops, timeout=60)
+        except Exception as exc:  # dead replicas have nothing to stop
+            log.debug("replica shutdown: %s", exc)
+        for replica in self.replicas:
+            try:
+                ray.kill(replica.actor, no_restart=True)
+            except Exception as exc:
+                log.debug("replica kill: %s", exc)
+        self._objects.clear()
+        try:  # requests still waiting end as CLOSED
+            self._on_loop(self._cancel_tasks()).result(timeout=10)
+        except Exception as exc:
+            log.debug("cancelling requests: %s", exc)
+        self.cluster.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ more, for the transport and tests
+    def add_object(self, ref: Any, meta: dict) -> None:
+        """Register the packed version in `ref` (a Ray object) on every routable replica; the
+        `ray` transport's deliveries call this. Raises PackError when every replica refused it."""
+        self._on_loop(self._fan_out(ref, meta)).result()
+
+    def replica_info(self) -> list[dict]:
+        """Each replica's ping (incarnation, pid, node, engine counters, live versions)."""
+        import ray
+
+        return ray.get([r.actor.ping.remote() for r in self.replicas], timeout=PING_TIMEOUT_S)
+
+    def call_replica(self, index: int, method: str, *args: Any) -> Any:
+        """Call a replica actor's method and wait (tests, benchmarks)."""
+        import ray
+
+        return ray.get(getattr(self.replicas[index].actor, method).remote(*args), timeout=PING_TIMEOUT_S * 4)
+
+    def routable(self) -> list[int]:
+        return [r.index for r in self.replicas if r.routable]
+
+    def __enter__(self) -> "RayGenerator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ requests (on the loop)
+    async def _run(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
+        try:
+            await self._serve(request, on_done)
+        except asyncio.CancelledError:  # the generator is closing
+            hand_back(on_done, GenResult.failed(request, GenStatus.CLOSED, "generator closed"))
+            raise
+
+    async def _serve(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
+        errors = ray_cluster.actor_errors()
+        resubmits = 0
+        while True:
+            replica = await self._route(request)
+            if replica is None:
+                status = GenStatus.CLOSED if self._closed and self._dead is None else GenStatus.ENGINE_DEAD
+                hand_back(on_done, GenResult.failed(request, status, self._dead or "generator closed"))
+                return
+            try:
+                with self._lock:
+                    live = self.registry.acquire(request.adapter) if request.adapter is not None else None
+            except Exception as exc:
+                hand_back(on_done, GenResult.failed(request, GenStatus.REFUSED, f"refused: {exc}"))
+                return
+            pinned = dataclasses.replace(request, version=live.version if live is not None else None)
+            cost = len(request.prompt_ids) + request.n * request.max_tokens
+            replica.outstanding += cost
+            replica.in_flight += 1
+            self.stats.add(requests=1)
+            self.stats.bump("replica_requests", replica.index, 1)
+            failure: BaseException | None = None
+            try:
+                result: GenResult = await replica.actor.generate.remote(pinned)
+            except errors as exc:
+                failure = exc
+            except Exception as exc:  # the replica raised: this request failed, the replica is fine
+                result = GenResult.failed(request, GenStatus.FAILED, f"replica {replica.index}: {exc}")
+            finally:
+                replica.outstanding -= cost
+                replica.in_flight -= 1
+                self._release(live)
+            if failure is None:
+                result.request = request
+                tokens = sum(len(s.token_ids) for s in result.samples)
+                self.stats.add(tokens=tokens)
+                self.stats.bump("replica_tokens", replica.index, tokens)
+                hand_back(on_done, result)
+                return
+            self._mark_down(replica, failure)
+            if resubmits >= MAX_RESUBMITS or self._closed:
+                self.stats.add(groups_lost=1)
+                hand_back(on_done, GenResult.failed(request, GenStatus.FAILED,
+                                                    f"lost: its replica died {resubmits + 1} times ({failure})"))
+                return
+            resubmits += 1
+            self.stats.add(groups_resubmitted=1)
+
+    async def _route(self, request: GenRequest) -> ReplicaState | None:
+        """The replica for `request`, waiting while none is routable; None once dead or closed."""
+        while True:
+            if self._dead is not None or self._closed:
+                return None
+            up = [r for r in self.replicas if r.routable]
+            if up:
+                return self._pick(request, up)
+            await asyncio.sleep(ROUTE_POLL_S)
+
+    def _pick(self, request: GenRequest, up: list[ReplicaState]) -> ReplicaState:
+        if request.group is not None:
+            index = self._sticky.get(request.group)
+            if index is not None and self.replicas[index].routable:
+                self._sticky.move_to_end(request.group)
+                return self.replicas[index]
+        replica = min(up, key=lambda r: (r.outstanding, r.in_flight, r.index))
+        if request.group is not None:
+            self._sticky[request.group] = replica.index
+            self._sticky.move_to_end(request.group)
+            while len(self._sticky) > STICKY_GROUPS:
+                self._sticky.popitem(last=False)
+        return replica
+
+    def _release(self, live: LiveVersion | None) -> None:
+        if live is None:
+            return
+        with self._lock:
+            if self.registry.release(live):
+                self._retire(live)
+
+    def _retire(self, live: LiveVersion) -> str:
+        """Drained on every replica and out of the window: forget it (each replica's engine
+        drops its own copy by the wider window) and let its object go."""
+        self.registry.remove(live)
+        self._objects.pop((live.adapter, live.version), None)
+        return live.vllm_name
+
+    # ------------------------------------------------------------------ versions (on the loop)
+    async def _fan_out(self, ref: Any, meta: dict) -> None:
+        adapter, version = meta["adapter"], int(meta["version"])
+        async with self._publish_lock:
+            while True:
+                targets = await self._routable_or_wait()
+                outcomes = await asyncio.gather(*(self._add_version(r, ref, meta) for r in targets),
+                                                return_exceptions=True)
+                done = [r for r, out in zip(targets, outcomes) if not isinstance(out, BaseException)]
+                failed = [(r, out) for r, out in zip(targets, outcomes) if isinstance(out, BaseException)]
+                refusals = [out for _, out in failed if isinstance(out, PackError)]
+                if done:
+                    self._objects[(adapter, version)] = (ref, meta)
+                    for replica, error in failed:  # out of routing until the watcher has caught it up
+                        replica.routable = False
+                        replica.last_error = f"could not register {adapter}@v{version}: {error}"
+                        log.warning("replica %d: %s; out of routing until it catches up", replica.index,
+                                    replica.last_error)
+                    return
+                if refusals and len(refusals) == len(failed):
+                    raise refusals[0]  # every replica refused the object: the version is refused
+                if not refusals and self._dead is None and not self._closed:
+                    continue  # every target died meanwhile: wait for one to come back, then again
+                raise refusals[0] if refusals else GeneratorDead(f"no replica could register {adapter}@v{version}: "
+                                                                 f"{failed[0][1]}")
+
+    async def _add_version(self, replica: ReplicaState, ref: Any, meta: dict) -> None:
+        """Register one version on one replica; a dead replica is marked down, a refusal is a PackError."""
+        from ray.exceptions import RayTaskError
+
+        try:
+            await asyncio.wait_for(replica.actor.add_version.remote(meta, ref), self.register_timeout_s)
+        except ray_cluster.actor_errors() as exc:
+            self._mark_down(replica, exc)
+            raise
+        except asyncio.TimeoutError as exc:
+            raise GeneratorDead(f"replica {replica.index} did not register within {self.register_timeout_s:.0f} s") \
+                from exc
+        except RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, PackError) or isinstance(exc, PackError):
+                raise PackError(f"replica {replica.index}: {cause or exc}") from None
+            raise
+        replica.versions[meta["adapter"]] = max(int(meta["version"]), replica.versions.get(meta["adapter"], -1))
+
+    async def _routable_or_wait(self) -> list[ReplicaState]:
+        while True:
+            if self._dead is not None:
+                raise GeneratorDead(self._dead)
+            if self._closed:
+                raise GeneratorDead("generator is closed")
+            up = [r for r in self.replicas if r.routable]
+            if up:
+                return up
+            await asyncio.sleep(WATCH_S)
+
+    async def _catch_up(self, replica: ReplicaState) -> None:
+        """Register every live version the replica lacks, oldest first; then route to it."""
+        async with self._publish_lock:
+            for (adapter, version), (ref, meta) in sorted(self._objects.items(), key=lambda kv: kv[0][1]):
+                if version > replica.versions.get(adapter, -1):
+                    await self._add_version(replica, ref, meta)
+            replica.routable = True
+            replica.down_since = None
+            replica.last_error = None
+
+    # ------------------------------------------------------------------ replicas (on the loop)
+    async def _start_all(self) -> None:
+        """Start every replica's engine at once; one that fails stops the run with its error."""
+        infos = await asyncio.gather(*(r.actor.ping.remote() for r in self.replicas))
+        by_node: dict[str | None, int] = {}
+        for replica, info in zip(self.replicas, infos):
+            replica.slot = None if self.cluster.use_gpu else by_node.setdefault(info["node"], 0)
+            by_node[info["node"]] = (replica.slot or 0) + 1
+        await asyncio.gather(*(self._bring_up(r) for r in self.replicas))
+
+    async def _bring_up(self, replica: ReplicaState) -> None:
+        info = await asyncio.wait_for(replica.actor.start.remote(replica.slot, self.cluster.cpus_per_replica),
+                                      self.start_timeout_s)
+        replica.incarnation, replica.node, replica.pid = info["incarnation"], info["node"], info["pid"]
+        replica.versions, replica.seen = {}, {}
+        await self._catch_up(replica)
+
+    async def _watch(self, replica: ReplicaState) -> None:
+        """Ping one replica for the life of the generator: notice deaths, restarts, catch-ups."""
+        errors = ray_cluster.actor_errors()
+        while not self._closed:
+            await asyncio.sleep(WATCH_S)
+            try:
+                info = await asyncio.wait_for(replica.actor.ping.remote(), PING_TIMEOUT_S)
+            except (asyncio.TimeoutError, *errors) as exc:
+                self._mark_down(replica, exc)
+                self._check_all_down()
+                continue
+            except Exception as exc:  # Ray itself failing: treat like a silent replica
+                self._mark_down(replica, exc)
+                self._check_all_down()
+                continue
+            try:
+                if info["incarnation"] != replica.incarnation:
+                    await self._restarted(replica)
+                elif not replica.routable:
+                    await self._catch_up(replica)
+                else:
+                    self._count(replica, info)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # its engine failed to start or to register: try again next round
+                replica.routable = False
+                replica.last_error = str(exc)
+                log.warning("replica %d is not back yet: %s", replica.index, exc)
+            self._check_all_down()
+
+    async def _restarted(self, replica: ReplicaState) -> None:
+        replica.routable = False
+        self.stats.add(replica_restarts=1)
+        log.warning("replica %d was restarted by Ray; starting its engine and registering the live versions",
+                    replica.index)
+        await self._bring_up(replica)
+
+    def _mark_down(self, replica: ReplicaState, error: BaseException) -> None:
+        if replica.routable:
+            log.warning("replica %d is down (%s); out of routing", replica.index, type(error).__name__)
+        replica.routable = False
+        replica.last_error = str(error)
+        if replica.down_since is None:
+            replica.down_since = time.monotonic()
+
+    def _check_all_down(self) -> None:
+        up = sum(r.routable for r in self.replicas)
+        self.stats.replicas_routable = up
+        if up:
+            self._all_down_since = None
+            return
+        now = time.monotonic()
+        if self._all_down_since is None:
+            self._all_down_since = now
+        elif now - self._all_down_since > self.down_timeout_s and self._dead is None:
+            errors = "; ".join(f"replica {r.index}: {r.last_error}" for r in self.replicas)
+            self._dead = (f"every generator replica has been down for more than {self.down_timeout_s:.0f} s "
+                          f"(generator.down_timeout_s): {errors}")
+            log.error(self._dead)
+
+    def _count(self, replica: ReplicaState, info: dict) -> None:
+        """Add the engine counters' growth since the last ping (averaged over replicas)."""
+        n = len(self.replicas)
+        deltas = {}
+        for key in ("busy_s", "steps", "running"):
+            value = float(info.get(key) or 0.0)
+            deltas[key] = max(0.0, value - replica.seen.get(key, 0.0)) / n
+            replica.seen[key] = value
+        self.stats.add(**deltas)
+
+    # ------------------------------------------------------------------ plumbing
+    @staticmethod
+    async def _make_lock() -> asyncio.Lock:
+        return asyncio.Lock()
+
+    @staticmethod
+    async def _cancel_tasks() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _on_loop(self, coroutine: Coroutine) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
