@@ -375,7 +375,7 @@ class RayGenerator:
                 if refusals and len(refusals) == len(failed):
                     raise refusals[0]  # every replica refused the object: the version is refused
                 if not refusals and self._dead is None and not self._closed:
-                    continue  # every target died meanwhile: wait for one to come back, then again
+                    continue  # every target died or hung (now out of routing): wait for one to come back
                 raise refusals[0] if refusals else GeneratorDead(f"no replica could register {adapter}@v{version}: "
                                                                  f"{failed[0][1]}")
 
@@ -388,9 +388,10 @@ class RayGenerator:
         except ray_cluster.actor_errors() as exc:
             self._mark_down(replica, exc)
             raise
-        except asyncio.TimeoutError as exc:
-            raise GeneratorDead(f"replica {replica.index} did not register within {self.register_timeout_s:.0f} s") \
-                from exc
+        except asyncio.TimeoutError as exc:  # a hung replica leaves routing like a dead one
+            error = GeneratorDead(f"replica {replica.index} did not register within {self.register_timeout_s:.0f} s")
+            self._mark_down(replica, error)
+            raise error from exc
         except RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, PackError) or isinstance(exc, PackError):
@@ -462,8 +463,9 @@ class RayGenerator:
                 raise
             except Exception as exc:  # its engine failed to start or to register: try again next round
                 replica.routable = False
+                if str(exc) != replica.last_error:  # shown once, not on every round
+                    log.warning("replica %d is not back yet: %s", replica.index, exc)
                 replica.last_error = str(exc)
-                log.warning("replica %d is not back yet: %s", replica.index, exc)
             self._check_all_down()
 
     async def _restarted(self, replica: ReplicaState) -> None:
