@@ -84,7 +84,6 @@ def _publish_pieces(model_dir: Path, rank: int, repeats: int = 12) -> dict[str, 
         ref = timed("ray_put", lambda: ray.put(packed.buffer.numpy()))
         array = timed("ray_get", lambda: ray.get(ref))
         timed("receive", lambda: receive_object(packed.meta(), array))
-        del array, ref
     return {f"{key}_ms": statistics.median(values) for key, values in times.items()}
 
 

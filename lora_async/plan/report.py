@@ -44,7 +44,10 @@ def notes(plan: Plan) -> list[str]:
              f"{gib(plan.activations['on'])} GiB with it"]
     if plan.kv_tokens is not None:
         lines.append(f"generator KV cache: {plan.kv_tokens:,} tokens")
-    if any(d.device == "cpu" for d in plan.devices):
+    if plan.layout.generator is None:
+        lines.append("generator: not on this machine's plan (remote servers or Ray replicas); each replica holds "
+                     "one engine as generator.type = \"vllm\" would")
+    elif any(d.device == "cpu" for d in plan.devices):
         lines.append("cpu: the learner and the generator share system RAM; the Python, torch and vLLM imports "
                      "(about 0.5 GiB per process) are not counted")
     return lines + plan.problems + [CAVEAT]

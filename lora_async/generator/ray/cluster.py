@@ -37,7 +37,7 @@ def require_ray() -> None:
 class Cluster:
     """A connection to Ray and the placement group holding one bundle per replica."""
 
-    started_here: bool  # a local Ray this run started (and stops)
+    connected_here: bool  # this run called ray.init: it disconnects (and stops a local Ray it started)
     group: Any
     use_gpu: bool
     cpus_per_replica: int
@@ -55,7 +55,7 @@ class Cluster:
             remove_placement_group(self.group)
         except Exception as exc:  # the cluster may be gone already
             logging.getLogger(__name__).debug("placement group: %s", exc)
-        if self.started_here:
+        if self.connected_here:
             ray.shutdown()
 
 
@@ -67,16 +67,16 @@ def connect(address: str | None, namespace: str, object_store_gb: float | None, 
     import ray
     from ray.util.placement_group import placement_group
 
-    started_here = False
+    connected_here = False
     if not ray.is_initialized():
         # Ray's own start-up warnings are hidden; the replicas' errors still reach this console.
         kwargs: dict[str, Any] = dict(namespace=namespace, include_dashboard=False, logging_level=logging.ERROR,
                                       configure_logging=True, log_to_driver=True)
-        if address is None:
+        if address is None:  # "local": a new Ray even where `ray start` left one running (None would join it)
+            kwargs["address"] = "local"
             kwargs["num_cpus"] = max(replicas * cpus_per_replica, len(os.sched_getaffinity(0)))
             if object_store_gb:
                 kwargs["object_store_memory"] = int(object_store_gb * (1 << 30))
-            started_here = True
         else:
             kwargs["address"] = address
         try:
@@ -84,18 +84,19 @@ def connect(address: str | None, namespace: str, object_store_gb: float | None, 
         except Exception as exc:
             where = "a local Ray" if address is None else f"the Ray cluster at {address!r} (ray.address)"
             raise RayError(f"could not start or join {where}: {exc}") from exc
+        connected_here = True
     resources = ray.cluster_resources()
     gpus = int(resources.get("GPU", 0))
     use_gpu = device == "gpu" or (device == "auto" and gpus >= replicas)
     if use_gpu and gpus < replicas:
-        _stop(started_here)
+        _stop(connected_here)
         raise RayError(f"generator.replicas = {replicas} with generator.device = 'gpu' needs {replicas} GPUs; "
                        f"the cluster has {gpus}")
     bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": cpus_per_replica}
     cpus = int(resources.get("CPU", 0))
     need = replicas * bundle["CPU"]
     if need > cpus:
-        _stop(started_here)
+        _stop(connected_here)
         raise RayError(f"generator.replicas = {replicas} x {bundle['CPU']} CPU needs {need} CPUs; the cluster has "
                        f"{cpus} (lower generator.replicas or generator.cpus_per_replica, or add nodes)")
     group = placement_group([dict(bundle) for _ in range(replicas)], strategy=strategy,
@@ -103,10 +104,10 @@ def connect(address: str | None, namespace: str, object_store_gb: float | None, 
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except Exception as exc:
-        _stop(started_here)
+        _stop(connected_here)
         raise RayError(f"Ray could not place {replicas} bundles of {bundle} ({strategy}) within "
                        f"{PLACEMENT_TIMEOUT_S:.0f} s: {exc}") from exc
-    return Cluster(started_here, group, use_gpu, bundle["CPU"])
+    return Cluster(connected_here, group, use_gpu, bundle["CPU"])
 
 
 def create_replica(cluster: Cluster, actor_class: type, index: int, max_restarts: int, *args: Any) -> Any:
@@ -128,18 +129,8 @@ def actor_errors() -> tuple[type[BaseException], ...]:
     return (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError)
 
 
-def node_cpus(node_id: str | None) -> int | None:
-    """Cores of one node of the cluster (None: unknown)."""
+def _stop(connected_here: bool) -> None:
     import ray
 
-    for node in ray.nodes():
-        if node.get("NodeID") == node_id and node.get("Alive"):
-            return int(node.get("Resources", {}).get("CPU", 0)) or None
-    return None
-
-
-def _stop(started_here: bool) -> None:
-    import ray
-
-    if started_here:
+    if connected_here:
         ray.shutdown()
