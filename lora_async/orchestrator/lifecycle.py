@@ -63,7 +63,9 @@ class LocalParts:
         if gen.engine_home == "server":
             self.where = f"vllm serve at {', '.join(gen.urls)}"
         elif gen.engine_home == "ray":
-            cluster = "a local Ray" if config.ray.address is None else f"the Ray cluster at {config.ray.address}"
+            address = config.ray.address
+            cluster = ("a local Ray" if address is None else "the running Ray cluster" if address == "auto"
+                       else f"the Ray cluster at {address}")
             self.where = f"{gen.replicas} replicas on {cluster}"
         else:
             self.where = self.generator_placement.describe() + (

@@ -182,15 +182,17 @@ class RayGenerator:
             self.registry.check_new(delivery.adapter, delivery.version)
             int_id = self.registry.reserve_id()
         try:
-            delivery.load(self, int_id)
+            waited = delivery.load(self, int_id)  # add_object: the longest wait for a replica's engine step
         except Exception:
             self.stats.add(rejected_versions=1)
             raise
         with self._lock:
             live = self.registry.add(delivery.adapter, delivery.version, int_id)
             retired = [self._retire(old) for old in self.registry.retirable()]
+        wait_ms = waited if isinstance(waited, float) else 0.0
+        total_ms = (time.perf_counter() - delivery.started) * 1000
         return PublishStats(delivery.adapter, delivery.version, live.vllm_name, int_id, delivery.nbytes,
-                            (time.perf_counter() - delivery.started) * 1000, retired, transport=delivery.transport)
+                            total_ms - wait_ms, retired, wait_ms=wait_ms, transport=delivery.transport)
 
     def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
         if self._closed:
@@ -233,10 +235,12 @@ class RayGenerator:
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ more, for the transport and tests
-    def add_object(self, ref: Any, meta: dict) -> None:
+    def add_object(self, ref: Any, meta: dict) -> float:
         """Register the packed version in `ref` (a Ray object) on every routable replica; the
-        `ray` transport's deliveries call this. Raises PackError when every replica refused it."""
-        self._on_loop(self._fan_out(ref, meta)).result()
+        `ray` transport's deliveries call this. Raises PackError when every replica refused it.
+        Returns the longest time a replica waited for its engine to finish a step (ms): like
+        the in-process engine's `wait_ms`, generation going on, not sync work."""
+        return self._on_loop(self._fan_out(ref, meta)).result()
 
     def replica_info(self) -> list[dict]:
         """Each replica's ping (incarnation, pid, node, engine counters, live versions)."""
@@ -354,7 +358,7 @@ class RayGenerator:
         return live.vllm_name
 
     # ------------------------------------------------------------------ versions (on the loop)
-    async def _fan_out(self, ref: Any, meta: dict) -> None:
+    async def _fan_out(self, ref: Any, meta: dict) -> float:
         adapter, version = meta["adapter"], int(meta["version"])
         async with self._publish_lock:
             while True:
@@ -366,12 +370,13 @@ class RayGenerator:
                 refusals = [out for _, out in failed if isinstance(out, PackError)]
                 if done:
                     self._objects[(adapter, version)] = (ref, meta)
+                    waits = [out["wait_ms"] for out in outcomes if isinstance(out, dict)]
                     for replica, error in failed:  # out of routing until the watcher has caught it up
                         replica.routable = False
                         replica.last_error = f"could not register {adapter}@v{version}: {error}"
                         log.warning("replica %d: %s; out of routing until it catches up", replica.index,
                                     replica.last_error)
-                    return
+                    return float(max(waits, default=0.0))
                 if refusals and len(refusals) == len(failed):
                     raise refusals[0]  # every replica refused the object: the version is refused
                 if not refusals and self._dead is None and not self._closed:
@@ -379,12 +384,13 @@ class RayGenerator:
                 raise refusals[0] if refusals else GeneratorDead(f"no replica could register {adapter}@v{version}: "
                                                                  f"{failed[0][1]}")
 
-    async def _add_version(self, replica: ReplicaState, ref: Any, meta: dict) -> None:
-        """Register one version on one replica; a dead replica is marked down, a refusal is a PackError."""
+    async def _add_version(self, replica: ReplicaState, ref: Any, meta: dict) -> dict:
+        """Register one version on one replica (its `ms` and `wait_ms`); a dead replica is marked
+        down, a refusal is a PackError."""
         from ray.exceptions import RayTaskError
 
         try:
-            await asyncio.wait_for(replica.actor.add_version.remote(meta, ref), self.register_timeout_s)
+            timing = await asyncio.wait_for(replica.actor.add_version.remote(meta, ref), self.register_timeout_s)
         except ray_cluster.actor_errors() as exc:
             self._mark_down(replica, exc)
             raise
@@ -398,6 +404,7 @@ class RayGenerator:
                 raise PackError(f"replica {replica.index}: {cause or exc}") from None
             raise
         replica.versions[meta["adapter"]] = max(int(meta["version"]), replica.versions.get(meta["adapter"], -1))
+        return timing
 
     async def _routable_or_wait(self) -> list[ReplicaState]:
         while True:
@@ -428,7 +435,22 @@ class RayGenerator:
         for replica, info in zip(self.replicas, infos):
             replica.slot = None if self.cluster.use_gpu else by_node.setdefault(info["node"], 0)
             by_node[info["node"]] = (replica.slot or 0) + 1
-        await asyncio.gather(*(self._bring_up(r) for r in self.replicas))
+        await asyncio.gather(*(self._first_start(r) for r in self.replicas))
+
+    async def _first_start(self, replica: ReplicaState) -> None:
+        """`_bring_up` at the run's start, its failure as one line (RayError)."""
+        from ray.exceptions import RayTaskError
+
+        try:
+            await self._bring_up(replica)
+        except asyncio.TimeoutError:
+            raise ray_cluster.RayError(f"replica {replica.index}: its engine did not start within "
+                                       f"{self.start_timeout_s:.0f} s (generator.start_timeout_s)") from None
+        except RayTaskError as exc:
+            cause = getattr(exc, "cause", None) or exc
+            raise ray_cluster.RayError(f"replica {replica.index}: its engine did not start: "
+                                       f"{type(cause).__name__}: {str(cause).splitlines()[-1] if str(cause) else ''}"
+                                       ) from None
 
     async def _bring_up(self, replica: ReplicaState) -> None:
         info = await asyncio.wait_for(replica.actor.start.remote(replica.slot, self.cluster.cpus_per_replica),

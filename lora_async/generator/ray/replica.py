@@ -91,8 +91,9 @@ class Replica:
             self.generator = None
 
     # ---------------------------------------------------------------- versions
-    async def add_version(self, meta: dict, array: Any) -> float:
-        """Register a packed version from the object store; returns the milliseconds it took here.
+    async def add_version(self, meta: dict, array: Any) -> dict:
+        """Register a packed version from the object store; returns the milliseconds it took here
+        (`ms`) and, of those, the wait for the engine to finish its current step (`wait_ms`).
         A damaged or malformed buffer raises PackError and nothing is registered."""
         from ...sync.receive import receive_object
 
@@ -102,8 +103,8 @@ class Replica:
         config = dict(meta.get("peft_config") or {})
         delivery = Delivery(meta["adapter"], int(meta["version"]), int(meta["nbytes"]), "ray",
                             lambda client, int_id: client.add_tensors(int_id, tensors, config))
-        await asyncio.to_thread(gen.register, delivery)
-        return (time.perf_counter() - began) * 1000
+        stats = await asyncio.to_thread(gen.register, delivery)
+        return {"ms": (time.perf_counter() - began) * 1000, "wait_ms": stats.wait_ms}
 
     def live_versions(self, adapter: str) -> list[int]:
         return self._engine().registry.versions(adapter)
