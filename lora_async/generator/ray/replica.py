@@ -4,9 +4,10 @@ The engine code is the one a single node runs (`generator.engine.VllmGenerator`,
 thread, its registry); this class only adapts it to Ray calls. It is an async actor, so many
 `generate` calls wait on the engine at once and a `ping` is answered while they run.
 
-- `start(slot, cores)` builds the engine on this actor's GPU (Ray sets CUDA_VISIBLE_DEVICES), or on
-  CPU pinned to its share of its node's cores: the `slot`-th run of `cores` cores. The router calls it after creation and again after Ray restarts the
-  actor, then registers the live versions before it routes anything here.
+- `start(slot, cores)` builds the engine on this actor's GPU (Ray sets CUDA_VISIBLE_DEVICES), or
+  on CPU pinned to its share of its node's cores: the `slot`-th run of `cores` cores. The router
+  calls it after creation and again after Ray restarts the actor, then registers the live
+  versions before it routes anything here.
 - `add_version(meta, array)` registers a version from the object store (Ray hands the array
   over zero-copy on this node); the checksum is checked here, on every replica.
 - A request names the exact version the router chose (`GenRequest.version`).
@@ -20,6 +21,7 @@ This module imports neither Ray nor vLLM at import time: the router wraps the cl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -64,7 +66,7 @@ class Replica:
 
             from ...models import resolve_model
 
-            spec = EngineSpec(**{**spec.__dict__, "model_dir": Path(resolve_model(self.model_name, Console(quiet=True)))})
+            spec = dataclasses.replace(spec, model_dir=Path(resolve_model(self.model_name, Console(quiet=True))))
         on_gpu = bool(os.environ.get("CUDA_VISIBLE_DEVICES")) and torch.cuda.is_available()
         if on_gpu:
             return VllmGenerator(spec, Placement("cuda:0", None))
@@ -95,16 +97,18 @@ class Replica:
         """Register a packed version from the object store; returns the milliseconds it took here
         (`ms`) and, of those, the wait for the engine to finish its current step (`wait_ms`).
         A damaged or malformed buffer raises PackError and nothing is registered."""
+        began = time.perf_counter()
+        stats = await asyncio.to_thread(self._register, meta, array)  # off the actor's loop: pings go on
+        return {"ms": (time.perf_counter() - began) * 1000, "wait_ms": stats.wait_ms}
+
+    def _register(self, meta: dict, array: Any) -> Any:
         from ...sync.receive import receive_object
 
-        began = time.perf_counter()
         gen = self._engine()
-        tensors = receive_object(meta, array)
+        tensors = receive_object(meta, array)  # the one copy, and the checksum check
         config = dict(meta.get("peft_config") or {})
-        delivery = Delivery(meta["adapter"], int(meta["version"]), int(meta["nbytes"]), "ray",
-                            lambda client, int_id: client.add_tensors(int_id, tensors, config))
-        stats = await asyncio.to_thread(gen.register, delivery)
-        return {"ms": (time.perf_counter() - began) * 1000, "wait_ms": stats.wait_ms}
+        return gen.register(Delivery(meta["adapter"], int(meta["version"]), int(meta["nbytes"]), "ray",
+                                     lambda client, int_id: client.add_tensors(int_id, tensors, config)))
 
     def live_versions(self, adapter: str) -> list[int]:
         return self._engine().registry.versions(adapter)
@@ -114,11 +118,16 @@ class Replica:
 
     # ---------------------------------------------------------------- requests
     async def generate(self, request: GenRequest) -> GenResult:
+        from ..types import GeneratorDead
+
         gen = self._engine()
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
-        gen.submit(request, lambda result: loop.call_soon_threadsafe(
-            lambda: future.done() or future.set_result(result)))
+        try:
+            gen.submit(request, lambda result: loop.call_soon_threadsafe(
+                lambda: future.done() or future.set_result(result)))
+        except GeneratorDead as exc:
+            self._die(str(exc))
         result: GenResult = await future
         if result.status is GenStatus.ENGINE_DEAD:
             self._die(result.error or "the engine died")
