@@ -2,7 +2,7 @@
 
 `replica.Replica` is the actor: one `VllmGenerator`, the engine code a single node runs.
 `generator.RayGenerator` routes requests to the replicas and registers every version on all of
-them from Ray's object store. `cluster` holds the few Ray calls: joining or starting a cluster,
+them from Ray's object store; `health` starts and watches the replicas. `cluster` holds the few Ray calls: joining or starting a cluster,
 the placement group, creating actors. Ray is an optional extra (`lora-async[ray]`).
 """
 
