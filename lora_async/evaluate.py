@@ -136,7 +136,7 @@ def eval_engine(config: "TrainConfig", max_lora_rank: int,
         raise ValueError('evaluation starts its own vLLM engine: give it a config with generator.type = "vllm"')
     model_dir = resolve_model(config.model.name)
     # A Ray run's evaluation engine is a local one, on this machine's own choice of device.
-    device = config.generator.device if config.generator.engine_home in ("same", "separate") else "auto"
+    device = config.generator.device if config.generator.engine_here else "auto"
     placement = resolve(device, None, config.learner.device, None, concurrent=False)[0]
     spec = EngineSpec.from_config(config, model_dir, placement.device, adapters=adapters, max_staleness=0,
                                   max_lora_rank=max_lora_rank, separate_process=False)

@@ -188,7 +188,7 @@ def place_run(config: "TrainConfig") -> tuple[Placement, list[Placement]]:
     loaded), so `lora-async train` rejects a placement this machine cannot give in seconds.
     Raises `PlacementError`."""
     gen, learner = config.generator, config.learner
-    if gen.engine_home in ("server", "ray"):  # no engine in this process: only the learner is placed
+    if not gen.engine_here:  # servers or Ray replicas: only the learner is placed
         generator, rank0 = resolve(None, None, learner.device, learner.cpus, concurrent=False,
                                    learner_devices=learner.devices)
     else:  # `auto` splits the cores only when generation and training run concurrently

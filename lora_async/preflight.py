@@ -31,17 +31,22 @@ def check_vllm(config: "TrainConfig", generator: "Placement") -> None:
 
     if config.generator.engine_home == "server":
         return
-    if config.generator.engine_home == "ray":
-        from .generator.ray import RayError, require_ray
-
-        try:
-            require_ray()
-        except RayError as exc:
-            raise PreflightError(str(exc)) from None
     try:
         check_vllm_version()
         check_serving_quantization(config.generator.quantization, generator.device)
     except VllmCompatError as exc:
+        raise PreflightError(str(exc)) from None
+
+
+def check_ray(config: "TrainConfig") -> None:
+    """A Ray run has Ray (the `ray` extra), importable."""
+    if config.generator.engine_home != "ray":
+        return
+    from .generator.ray import RayError, require_ray
+
+    try:
+        require_ray()
+    except RayError as exc:
         raise PreflightError(str(exc)) from None
 
 
@@ -62,5 +67,6 @@ def preflight(config: "TrainConfig") -> None:
         generator, ranks = place_run(config)
     except PlacementError as exc:
         raise PreflightError(str(exc)) from None
+    check_ray(config)
     check_vllm(config, generator)
     check_learner_quantization(config, ranks[0])

@@ -35,6 +35,11 @@ class GeneratorBase(Section):
     groups_in_flight: int = Field(16, ge=1, le=4096, description="Prompt groups kept generating at once.")
     max_model_len: int = Field(1024, ge=64, le=1_048_576, description="Prompt + completion token limit.")
 
+    @property
+    def engine_here(self) -> bool:
+        """The engine runs on this machine, placed by this run (not servers, not Ray replicas)."""
+        return self.engine_home in ("same", "separate")  # type: ignore[attr-defined]
+
 
 class EngineSettings(GeneratorBase):
     """How a vLLM engine of this run is built: one in this process, or each Ray replica's."""

@@ -89,7 +89,7 @@ def layout(config: "TrainConfig", gpus: int) -> Layout:
     takes cuda:1 when there are two GPUs and a local generator, else cuda:0; an `auto` generator
     takes the first GPU no learner rank lists; without GPUs both are on the CPU."""
     gen = config.generator
-    local = gen.engine_home in ("same", "separate")  # servers and Ray replicas plan their own memory
+    local = gen.engine_here  # servers and Ray replicas plan their own memory
     ranks = [_cuda(d) for d in config.learner.devices] if config.learner.devices else None
     learner = _cuda(config.learner.device)
     if learner == "auto" and not ranks:
