@@ -49,6 +49,33 @@ def test_compat_check_detects_changed_request_fields():
                                         LoRAModel, LRUCacheWorkerLoRAManager, PEFTHelper)
 
 
+def test_compat_check_detects_changed_hotswap_internals(monkeypatch):
+    """hotswap.py copies into vLLM's LoRAModels and slots as vLLM's own build and activation
+    would: a vLLM that builds, scales or activates differently is refused by name."""
+    from vllm.lora.layers import RowParallelLinearWithLoRA
+    from vllm.lora.lora_weights import LoRALayerWeights
+
+    assert compat.hotswap_problems() == []
+    problems = compat.hotswap_problems({"LoRAModelManager.activate_adapter": ("self.slot_of[lora_id] = index",),
+                                        "LoRAModel.from_lora_tensors": ("tensor.to(device=device, dtype=dtype)",),
+                                        "LoRAModel.load_from_tensors": ()})
+    assert problems == ["LoRAModelManager.activate_adapter no longer does `self.slot_of[lora_id] = index`",
+                        "LoRAModel.load_from_tensors is gone"]
+
+    def optimize(self):  # an imagined vLLM that keeps the scaling apart from lora_B
+        return self
+
+    def set_lora(self, index, lora_a, lora_b):  # ... and stores slots transposed
+        raise AssertionError
+
+    monkeypatch.setattr(LoRALayerWeights, "optimize", optimize)
+    monkeypatch.setattr(RowParallelLinearWithLoRA, "set_lora", set_lora)
+    with pytest.raises(VllmCompatError) as caught:
+        check_vllm_compat()
+    assert "LoRALayerWeights.optimize no longer does `self.lora_b *= self.scaling`" in str(caught.value)
+    assert "RowParallelLinearWithLoRA.set_lora is now" in str(caught.value)
+
+
 @pytest.mark.parametrize("op", ["shrink", "expand", "expand_slice"])
 @pytest.mark.parametrize("pattern", ["single", "mixed", "with_base"])
 def test_grouped_cpu_lora_ops_equal_vllms(op, pattern):
@@ -193,3 +220,77 @@ def test_serving_quantization_that_vllm_lacks_is_one_line():
         with pytest.raises(VllmCompatError) as caught:
             compat.check_serving_quantization("bitsandbytes", "cuda:0")
         assert "\n" not in str(caught.value) and "cannot serve a bitsandbytes base" in str(caught.value)
+
+
+class _FakeCache:
+    """The slice of vLLM's LoRAModelManager that hotswap.HotSwap uses, with a merge that folds
+    the scaling into lora_B the way vLLM does (`fold=False`: an imagined vLLM that does not)."""
+
+    capacity = 8
+    is_pooling_model = False
+
+    def __init__(self, fold: bool = True):
+        self.fold, self.adapters, self.modules, self.lora_index_to_id = fold, {}, {}, []
+
+    def __len__(self):
+        return len(self.adapters)
+
+    def list_adapters(self):
+        return dict(self.adapters)
+
+    def add_adapter(self, model):
+        for weights in model.loras.values():
+            if self.fold:
+                weights.optimize()
+        self.adapters[model.id] = model
+
+    def get_adapter(self, int_id):
+        return self.adapters.get(int_id)
+
+
+class _FakeManager:
+    def __init__(self, fold: bool = True):
+        self._adapter_manager = _FakeCache(fold)
+        self.lora_config = type("LoraConfig", (), {"lora_dtype": torch.bfloat16})()
+
+    def remove_adapter(self, int_id):
+        return self._adapter_manager.adapters.pop(int_id, None) is not None
+
+
+def _fake_build(manager, int_id, tensors, peft_config):
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    return LoRAModel.from_lora_tensors(lora_model_id=int_id, tensors=tensors, peft_helper=PEFTHelper.from_dict(
+        peft_config), device="cpu", dtype=manager.lora_config.lora_dtype)
+
+
+def _fake_version(seed: int) -> dict:
+    torch.manual_seed(seed)
+    prefix = "base_model.model.model.layers.0.self_attn"
+    return {f"{prefix}.{m}_proj.lora_{ab}.weight": torch.randn(shape)
+            for m in ("q", "o") for ab, shape in (("A", (8, 64)), ("B", (64, 8)))}
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_hotswap_recycles_only_what_reproduces_vllms_build(monkeypatch, fold):
+    """A retired model is refilled only when the learned plan reproduced vLLM's build bit for
+    bit (rsLoRA scaling 8/sqrt(8), no power of two); a vLLM that builds otherwise (here: no
+    scaling folded into lora_B) gets every version built its own way, never recycled."""
+    from lora_async.generator.vllm import hotswap
+
+    monkeypatch.setattr(hotswap, "build_lora_model", _fake_build)
+    config = {"r": 8, "lora_alpha": 8, "use_rslora": True, "target_modules": ["q_proj", "o_proj"]}
+    manager, swap = _FakeManager(fold), hotswap.HotSwap()
+    for int_id in (1, 2, 3, 4):
+        swap.add(manager, int_id, _fake_version(int_id), config)
+        if int_id > 1:
+            swap.remove(manager, int_id - 1)
+    assert swap.stats["recycled"] == (2 if fold else 0) and swap.stats["built"] == (2 if fold else 4)
+    expected = _fake_build(manager, 99, _fake_version(4), config)
+    manager._adapter_manager.add_adapter(expected)  # the same merge
+    got = manager._adapter_manager.get_adapter(4)
+    assert all(torch.equal(got.loras[k].lora_a, w.lora_a) and torch.equal(got.loras[k].lora_b, w.lora_b)
+               for k, w in expected.loras.items())
+    with pytest.raises(ValueError, match="never reused"):
+        swap.add(manager, 2, _fake_version(2), config)

@@ -4,7 +4,9 @@ For each path and each of N successive versions: the time from "tensors ready" t
 generation on the new version returns", minus the median time of the same generation on the
 version once it is loaded (measured right after, so slow drift of the machine cancels). Every measurement uses a prompt the engine has not seen, so the prefix
 cache never helps one side. The full-weight row pushes the base state dict through the worker's
-model `load_weights` (what a full-weight sync ends with) and generates on the base model.
+model `load_weights` (what a full-weight sync ends with) and generates on the base model. The
+`torch-copy` row is the floor: the same tensors copied, on the engine's cores, into preallocated
+tensors of the shapes and dtype the engine holds (no engine, no generation).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def _adapter(model_dir: Path, rank: int, seed: int = 0) -> AdapterVersion:
     return AdapterVersion("bench", 0, tensors, peft_config_dict(cfg))
 
 
-LOCAL = ("inproc", "peft-dir-disk", "peft-dir-devshm", "full-reload")  # in-process engine
+ENGINE = ("inproc", "peft-dir-disk", "peft-dir-devshm", "full-reload")  # in-process engine
+REFERENCE = ("torch-copy",)  # no engine: a plain copy of the same bytes, the floor for the rows above
+LOCAL = ENGINE + REFERENCE
 SEPARATE = ("shm", "gloo")  # engine core in a child process
 SERVER = ("http",)  # a `vllm serve` child on 127.0.0.1
 GPU_ONLY = ("cuda-ipc", "nccl")
@@ -65,7 +69,10 @@ def run_sync_bench(model: str, ranks: list[int], versions: int, transports: tupl
     max_rank = vllm_rank(max(ranks))
     rows: list[dict[str, Any]] = []
     wanted = [t for t in ALL if t in transports]
-    local = [t for t in wanted if t in LOCAL]
+    if "torch-copy" in wanted:
+        say("plain copy on the engine's cores: torch-copy")
+        rows += [_torch_copy(adapter, rank, versions, cpus) for rank, adapter in adapters.items()]
+    local = [t for t in wanted if t in ENGINE]
     if local:
         say(f"in-process engine: {', '.join(local)}")
         rows += _with_engine(model_dir, max_rank, False, local, adapters, versions, cpus)
@@ -200,6 +207,42 @@ def _with_server(model_dir: Path, max_rank: int, adapters: dict[int, AdapterVers
             rows.append(_measure(gen, "http", rank, _prepared(transport.publish, make), f"http-r{rank}",
                                  versions, fresh))
     return rows
+
+
+def _torch_copy(adapter: AdapterVersion, rank: int, versions: int, cpus: str | None) -> dict[str, Any]:
+    """Each version's tensors copied into preallocated tensors of the same shapes in the dtype
+    the bench's engines serve (`EngineSpec`'s default), with torch's fastest list copy
+    (`_foreach_copy_`), on a thread placed as the engine's is."""
+    import threading
+
+    from ..dtypes import torch_dtype
+    from ..generator.spec import EngineSpec
+    from ..placement import Placement, parse_cpus, pin_current_thread
+
+    dtype = EngineSpec.dtype
+
+    make = _versions_of(adapter, "torch-copy")
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        pin_current_thread(Placement("cpu", parse_cpus(cpus) if cpus else None))
+        dst = [torch.empty_like(t, dtype=torch_dtype(dtype)) for t in adapter.tensors.values()]
+        torch._foreach_copy_(dst, list(make(0).tensors.values()))  # warm up (first touch of dst)
+        times = []
+        for v in range(1, versions + 1):
+            src = list(make(v).tensors.values())  # the learner's new tensors: made before the clock
+            started = time.perf_counter()
+            torch._foreach_copy_(dst, src)
+            times.append((time.perf_counter() - started) * 1000)
+        out["times"] = times
+
+    thread = threading.Thread(target=run, name="lora-async-bench-copy")  # leaves this thread unpinned
+    thread.start()
+    thread.join()
+    times = out["times"]
+    return {"transport": "torch-copy", "rank": rank, "measured": True, "versions": versions,
+            "bytes": adapter.nbytes, "p50_ms": statistics.median(times), "max_ms": max(times),
+            "publish_p50_ms": statistics.median(times)}
 
 
 def _full_reload(gen: Any, model_dir: Path) -> Callable[[dict], int]:

@@ -21,15 +21,15 @@ def quiet() -> None:
     quiet_start(engine_log=False)
 
 
-SYNC_TRANSPORTS = ("inproc", "peft-dir-disk", "peft-dir-devshm", "full-reload", "shm", "gloo", "http",
-                   "cuda-ipc", "nccl")
+SYNC_TRANSPORTS = ("inproc", "peft-dir-disk", "peft-dir-devshm", "full-reload", "torch-copy", "shm", "gloo",
+                   "http", "cuda-ipc", "nccl")  # the CLI's list, without importing the bench (torch); see bench/sync.py
 
 
 @bench_app.command("sync")
 def bench_sync(
     transport: str = typer.Option(
         "local", "--transport",
-        help="'local' (in-process engine paths), 'all', or a comma list of: " + ", ".join(SYNC_TRANSPORTS)),
+        help="'local' (in-process engine paths and the plain torch-copy floor), 'all', or a comma list of: " + ", ".join(SYNC_TRANSPORTS)),
     versions: int = typer.Option(12, "--versions", help="Successive versions measured per path."),
     rank: str = typer.Option("8", "--rank", help="LoRA rank(s), all linear layers: '8' or '1,8,64'."),
     model: str = typer.Option("smollm2-135m", "--model", help="Model name or directory."),

@@ -144,6 +144,10 @@ class EngineClient:
     def remove(self, int_id: int) -> None:
         self._rpc(Worker.lora_async_remove, int_id)
 
+    def hotswap_stats(self) -> dict:
+        """The (first) worker's registration counters (hotswap.py): built, recycled, activations."""
+        return self._rpc(Worker.lora_async_hotswap_stats)[0]
+
     def lora_ids(self) -> list[int]:
         """The int ids the (first) worker holds registered: ground truth, not our registry."""
         return self._rpc(Worker.lora_async_list)[0]

@@ -4,7 +4,8 @@
 
 | internal | used by | why |
 |---|---|---|
-| `LoRAModel.from_lora_tensors`, `PEFTHelper`, `WorkerLoRAManager` (`_adapter_manager`, `lora_config`, `vocab_size`, `max_position_embeddings`, `add_adapter`, `remove_adapter`) | worker.py | vLLM can only load adapters from a path; we build the `LoRAModel` from tensors the way `_load_adapter` does after reading files |
+| `LoRAModel.from_lora_tensors`, `PEFTHelper`, `WorkerLoRAManager` (`_adapter_manager`, `lora_config`, `vocab_size`, `max_position_embeddings`, `add_adapter`, `remove_adapter`) | worker.py, hotswap.py | vLLM can only load adapters from a path; we build the `LoRAModel` from tensors the way `_load_adapter` does after reading files |
+| `LoRAModelManager` slots and activation, `LoRAModel`/`LoRALayerWeights` fields and in-place scaling, the LoRA layers' stacked tensors and `set_lora`/`reset_lora`, `PIN_MEMORY` (`HOTSWAP_SOURCES`, `*_LORA_LAYERS`) | hotswap.py | a version is copied into a retired version's LoRAModel and a free slot as vLLM's own build and activation would |
 | `LoRARequest(lora_name, lora_int_id, lora_path)` | client.py | requests name a version by name and int id |
 | the worker's `model_runner.lora_manager`, `model_runner.reload_weights` | worker.py | the adapter cache; the full-weight row of `bench sync` |
 | `SyncMPClient`/`MPClient` (`resources.engine_dead`, `outputs_queue`, `utility_results`), `EngineDeadError` | client.py | vLLM 0.32 notices a dead engine process but leaves its callers blocked |
@@ -39,6 +40,37 @@ REQUIRED_CLIENT_ATTRS = ("outputs_queue", "utility_results", "resources")
 ENGINE_ARGS = ("model", "dtype", "seed", "max_model_len", "max_num_seqs", "enable_lora", "max_loras",
                "max_cpu_loras", "max_lora_rank", "gpu_memory_utilization", "kv_cache_memory_bytes", "block_size",
                "worker_extension_cls", "logprobs_mode", "disable_log_stats", "use_tqdm_on_load")
+# LoRA layers whose activation hotswap.py reproduces (exact classes: a subclass may override
+# set_lora), with the methods they must resolve to; and the layers it only ever zeroes (lora-async
+# adapters target linear modules only, validate.py).
+WRITABLE_LORA_LAYERS = ("ColumnParallelLinearWithLoRA", "MergedColumnParallelLinearWithLoRA",
+                        "QKVParallelLinearWithLoRA", "MergedQKVParallelLinearWithLoRA",
+                        "RowParallelLinearWithLoRA", "ReplicatedLinearWithLoRA")
+WRITABLE_SET_LORA = ("BaseLinearLayerWithLoRA.set_lora", "MergedColumnParallelLinearWithLoRA.set_lora")
+ZEROED_LORA_LAYERS = ("VocabParallelEmbeddingWithLoRA", "LogitsProcessorWithLoRA")
+# Statements hotswap.py reproduces, by the method that holds them.
+HOTSWAP_SOURCES = {
+    "LoRAModelManager.__init__": ("self.modules", "self.lora_index_to_id", "self._active_adapters",
+                                  "self.is_pooling_model"),
+    "LoRAModelManager.activate_adapter": ("self._active_adapters[lora_id] = None",
+                                          "self.lora_index_to_id[index] = lora_model.id",
+                                          "module.reset_lora(index)", "module.set_lora("),
+    "LoRAModel.__init__": ("self.id = lora_model_id", "self.loras", "self.modules_to_save"),
+    "LoRAModel.from_lora_tensors": ("tensor.to(device=device, dtype=dtype)",),
+    "LoRALayerWeights.__init__": ("self.lora_a = lora_a", "self.lora_b = lora_b", "self.scaling"),
+    "LoRALayerWeights.optimize": ("self.lora_b *= self.scaling",),
+    "PackedLoRALayerWeights.pack": ("[lora.lora_a if lora is not None else None for lora in loras]",),
+    "PackedLoRALayerWeights.optimize": ("self.lora_b[i] *= self.scaling[i]",),
+    "BaseLinearLayerWithLoRA.__init__": ("self.tp_size",),
+    "BaseLinearLayerWithLoRA.create_lora_weights": ("self.lora_a_stacked = tuple(", "self.lora_b_stacked = tuple("),
+    "BaseLinearLayerWithLoRA.reset_lora": ("self.lora_a_stacked[s_index][index] = 0",
+                                           "self.lora_b_stacked[s_index][index] = 0"),
+    "BaseLinearLayerWithLoRA.set_lora": ("self.reset_lora(index)", "[index, 0, : lora_a.shape[0], : lora_a.shape[1]]"),
+    "MergedColumnParallelLinearWithLoRA.set_lora": ("self.reset_lora(index)",
+                                                    "index, 0, : lora_a_i.shape[0], : lora_a_i.shape[1]"),
+    "VocabParallelEmbeddingWithLoRA.reset_lora": ("self.lora_a_stacked[index] = 0", "self.lora_b_stacked[index] = 0"),
+    "LogitsProcessorWithLoRA.reset_lora": ("self.lora_a_stacked[index] = 0", "self.lora_b_stacked[index] = 0"),
+}
 ENV_VARS = ("VLLM_LOGGING_LEVEL", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")
 
 
@@ -111,6 +143,7 @@ def check_vllm_compat() -> str:
     problems += engine_client_problems(SyncMPClient, MPClient)
     problems += engine_problems(LLMEngine, EngineArgs, vllm.envs)
     problems += runner_problems()
+    problems += hotswap_problems()
     problems += punica_problems()
     try:
         engine_dead_error()
@@ -192,6 +225,48 @@ def runner_problems() -> list[str]:
     return problems
 
 
+def hotswap_problems(sources: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+    """What hotswap.py relies on in vLLM's LoRA manager, weights and layers (and torch)."""
+    import vllm.lora.layers as layers
+    import vllm.utils.torch_utils as torch_utils
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
+    from vllm.lora.model_manager import LoRAModelManager
+
+    owners = {cls.__name__: cls for cls in (LoRAModelManager, LoRAModel, LoRALayerWeights, PackedLoRALayerWeights,
+                                            BaseLinearLayerWithLoRA)}
+    problems = [f"vllm.lora.layers has no {name}" for name in WRITABLE_LORA_LAYERS + ZEROED_LORA_LAYERS
+                if not hasattr(layers, name)]
+    if problems:
+        return problems
+    owners.update({name: getattr(layers, name) for name in WRITABLE_LORA_LAYERS + ZEROED_LORA_LAYERS})
+    for qualname, statements in (HOTSWAP_SOURCES if sources is None else sources).items():
+        owner, method = qualname.split(".")
+        function = vars(owners[owner]).get(method) if owner in owners else None
+        function = getattr(function, "__func__", function)  # classmethods
+        if not inspect.isfunction(function):
+            problems.append(f"{qualname} is gone")
+            continue
+        text = inspect.getsource(function)
+        problems += [f"{qualname} no longer does `{s}`" for s in statements if s not in text]
+    for name in WRITABLE_LORA_LAYERS:
+        resolved = getattr(layers, name).set_lora.__qualname__
+        if resolved not in WRITABLE_SET_LORA:
+            problems.append(f"{name}.set_lora is now {resolved}")
+        if getattr(layers, name).reset_lora.__qualname__ != "BaseLinearLayerWithLoRA.reset_lora":
+            problems.append(f"{name}.reset_lora is overridden")
+    for name in ("add_adapter", "get_adapter", "remove_adapter", "list_adapters", "activate_adapter"):
+        if not callable(getattr(LoRAModelManager, name, None)):
+            problems.append(f"LoRAModelManager.{name} is gone")
+    if not hasattr(torch_utils, "PIN_MEMORY"):
+        problems.append("vllm.utils.torch_utils.PIN_MEMORY is gone")
+    import torch
+
+    problems += [f"torch.{name} is gone" for name in ("_foreach_copy_", "_foreach_zero_") if not hasattr(torch, name)]
+    return problems
+
+
 def _sources(cls: Any, methods: tuple[str, ...]) -> str:
     text = ""
     for klass in cls.__mro__:
@@ -209,6 +284,21 @@ def engine_dead_error() -> type[BaseException]:
     from vllm.v1.engine.exceptions import EngineDeadError
 
     return EngineDeadError
+
+
+def lora_layer_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(layers whose activation hotswap.py writes itself, layers it only zeroes)."""
+    import vllm.lora.layers as layers
+
+    return (tuple(getattr(layers, n) for n in WRITABLE_LORA_LAYERS),
+            tuple(getattr(layers, n) for n in ZEROED_LORA_LAYERS))
+
+
+def pin_memory() -> bool:
+    """Whether vLLM pins the CPU copies of adapters (it does where a GPU reads them)."""
+    from vllm.utils.torch_utils import PIN_MEMORY
+
+    return bool(PIN_MEMORY)
 
 
 def configure_environment(engine_log: bool, cpu_bind: str | None) -> None:

@@ -7,6 +7,8 @@ into vLLM's worker (`worker_extension_cls`) and reached through `collective_rpc`
 `_load_adapter` does after reading the files) and puts it in the worker's adapter cache under a
 fresh int id. A request that later names that id finds it registered and never touches
 `lora_path`. Every cross-process transport's receiving half ends here (`sync/receive.py`).
+A version with the structure of one seen before is copied into a retired version's LoRAModel
+and activated into a free slot directly (`hotswap.py`).
 
 Replies are plain data, because vLLM's RPC keeps only the text of a worker's exception: a
 transfer the worker refuses (checksum, truncation) comes back as `{"rejected": why}` and the
@@ -18,29 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...sync.pack import PackError
-
-
-def _build_lora_model(manager: Any, int_id: int, tensors: dict, peft_config: dict) -> Any:
-    """What `WorkerLoRAManager._load_adapter` does after reading files, from tensors."""
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.peft_helper import PEFTHelper
-
-    helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
-    helper.validate_legal(manager.lora_config)
-    model = manager._adapter_manager.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    if mapper is not None:
-        mapper = mapper.get_rename_mapper()
-    return LoRAModel.from_lora_tensors(
-        lora_model_id=int_id,
-        tensors=tensors,
-        peft_helper=helper,
-        device="cpu",
-        dtype=manager.lora_config.lora_dtype,
-        model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper,
-        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
-    )
+from .hotswap import HotSwap
 
 
 class LoraAsyncWorkerExtension:
@@ -53,6 +33,12 @@ class LoraAsyncWorkerExtension:
             raise RuntimeError("LoRA is not enabled in this vLLM engine")
         return manager
 
+    def _lora_async_swap(self) -> HotSwap:
+        swap = getattr(self, "_lora_async_hotswap", None)
+        if swap is None:
+            swap = self._lora_async_hotswap = HotSwap()
+        return swap
+
     def _lora_async_register(self, int_id: int, receive: Callable[[], dict], peft_config: dict) -> dict:
         try:
             tensors = receive()
@@ -64,15 +50,11 @@ class LoraAsyncWorkerExtension:
         """Register adapter `int_id` from tensors the caller no longer touches (owned copies).
 
         Never evicts: the caller sizes the cache and retires versions itself, so a live version
-        is never lazily reloaded from its (fake) path."""
-        cache = self._lora_async_manager()._adapter_manager
-        if int_id in cache.list_adapters():
-            raise ValueError(f"LoRA id {int_id} is already registered; ids are never reused")
-        if len(cache) + 1 > cache.capacity:
-            raise RuntimeError(f"vLLM's LoRA cache is full ({len(cache)}/{cache.capacity}); "
-                               "retire a version before publishing another")
-        cache.add_adapter(_build_lora_model(self._lora_async_manager(), int_id, tensors, peft_config))
-        return {"registered": len(cache)}
+        is never lazily reloaded from its (fake) path. An id registered here before is refused,
+        even after its removal (vLLM keys caches by id)."""
+        manager = self._lora_async_manager()
+        self._lora_async_swap().add(manager, int_id, tensors, peft_config)
+        return {"registered": len(manager._adapter_manager)}
 
     def lora_async_add_shm(self, int_id: int, segment: str, meta: dict) -> dict:
         """Register from a POSIX shared-memory segment the sender owns (one copy out of it)."""
@@ -103,7 +85,13 @@ class LoraAsyncWorkerExtension:
         return self._lora_async_register(int_id, lambda: receiver.receive(meta), meta["peft_config"])
 
     def lora_async_remove(self, int_id: int) -> bool:
-        return bool(self._lora_async_manager().remove_adapter(int_id))
+        """Remove a retired version (nothing in flight uses it); its LoRAModel may be recycled."""
+        return self._lora_async_swap().remove(self._lora_async_manager(), int_id)
+
+    def lora_async_hotswap_stats(self) -> dict:
+        """How versions were registered: built, recycled, and activated by us or by vLLM."""
+        swap = self._lora_async_swap()
+        return {**swap.stats, "spares": sum(len(s) for s in swap.spares.values())}
 
     def lora_async_list(self) -> list[int]:
         return sorted(self._lora_async_manager().list_adapters())

@@ -1,0 +1,391 @@
+"""Registering adapter versions in vLLM's worker: the normal build, and the recycled fast path.
+
+Why: the normal way (`LoRAModel.from_lora_tensors`, `add_adapter`, then vLLM's
+`activate_adapter` on the first batch that names the id) redoes per-module Python work for
+every version: ~15-20 ms at r=8 on the 135M model, while the bytes take ~1 ms to copy. A new
+version of an adapter has exactly the structure of the previous one, so that work is done once:
+
+- `ModelPlan`, learned from the first normal build of a structure (tensor names, shapes, peft
+  config) by tensor identity: where each incoming tensor lands in vLLM's merged `LoRAModel`
+  (packed qkv/gate_up slices included) and the scaling vLLM folds into lora_B. It is trusted
+  only after that build compared equal, bit for bit, to what the plan would have written.
+- A retired version's `LoRAModel` (nothing references it: the generator retires drained
+  versions only and aborts before it evicts) becomes a `Spare`, its tensors moved into one flat
+  buffer. The next version of that structure is copied into it (`copy_` casts as `.to(dtype)`
+  does; lora_B then `*= scaling` as `LoRALayerWeights.optimize` does), takes the new int id and
+  is registered with `add_adapter` (a no-op merge on a merged model).
+- `SlotPlan`: the views of the engine's stacked LoRA slots that `activate_adapter` writes
+  (`set_lora` = `reset_lora` + one copy per slice), so a new version goes into a free slot
+  with two foreach ops instead of ~120 `set_lora` calls. Trusted once an activation by vLLM
+  itself read back equal.
+
+Anything else (first version, another structure, unknown layers, no spare, no free slot, a
+plan that failed its check) takes vLLM's own path. Every vLLM internal used here is checked by
+`compat.check_vllm_compat()`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import compat
+
+log = logging.getLogger(__name__)
+
+SPARES_PER_STRUCTURE = 1  # a publish takes one; the retirement that follows it gives one back
+Loc = tuple[str, int | None, bool]  # (module key in LoRAModel.loras, slice of a packed module, is lora_B)
+
+
+def structure_key(tensors: dict[str, torch.Tensor], peft_config: dict) -> tuple:
+    """What must match for one version to be copied into another's LoRAModel."""
+    return (tuple((name, t.shape) for name, t in tensors.items()),
+            json.dumps(peft_config, sort_keys=True, default=str))
+
+
+def build_lora_model(manager: Any, int_id: int, tensors: dict, peft_config: dict) -> Any:
+    """What `WorkerLoRAManager._load_adapter` does after reading files, from tensors."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is not None:
+        mapper = mapper.get_rename_mapper()
+    return LoRAModel.from_lora_tensors(
+        lora_model_id=int_id, tensors=tensors, peft_helper=helper, device="cpu",
+        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper, skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+
+
+def _parts(value: Any) -> list[tuple[int | None, Any]]:
+    return list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+
+
+def _get(model: Any, loc: Loc) -> torch.Tensor:
+    key, index, is_b = loc
+    value = model.loras[key].lora_b if is_b else model.loras[key].lora_a
+    return value if index is None else value[index]
+
+
+def _put(model: Any, loc: Loc, tensor: torch.Tensor) -> None:
+    key, index, is_b = loc
+    weights = model.loras[key]
+    if index is not None:
+        (weights.lora_b if is_b else weights.lora_a)[index] = tensor
+    elif is_b:
+        weights.lora_b = tensor
+    else:
+        weights.lora_a = tensor
+
+
+@dataclass
+class Spare:
+    """A retired version's LoRAModel whose tensors are views of one flat buffer (plan order)."""
+
+    model: Any
+    flat: torch.Tensor
+    views: list[torch.Tensor]
+    slot_src: list[torch.Tensor] | None = None  # views in the slot plan's write order
+
+
+@dataclass
+class SlotPlan:
+    """What `activate_adapter` writes into slot `index` of the engine's stacked LoRA tensors:
+    `set_lora` zeroes a module's whole slot (`reset_lora`), then copies each slice into
+    `[index, 0, :rows, :cols]`; a module the adapter leaves out is only zeroed."""
+
+    writes: list[tuple[str, int, int, int]]  # (module, slice, plan entry of lora_A, of lora_B)
+    zeroed: list[tuple[str, int | None]]  # (module, slice; None: every slice) left all zero
+    views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    stacks: list[tuple[Any, Any]] = field(default_factory=list)  # what `views` are views of
+    trusted: bool | None = None  # None: not yet read back after an activation by vLLM itself
+
+    @property
+    def positions(self) -> list[int]:
+        """The plan entry copied into each write view, in order."""
+        return [p for _, _, a, b in self.writes for p in (a, b)]
+
+    @classmethod
+    def learn(cls, cache: Any, plan: "ModelPlan") -> "SlotPlan | None":
+        """None when some layer is not one whose `set_lora`/`reset_lora` this reproduces."""
+        if cache.is_pooling_model:
+            return None
+        writable, zeroed_only = compat.lora_layer_classes()
+        by_module: dict[str, dict[tuple[int | None, bool], int]] = {}
+        for position, (key, index, is_b) in enumerate(plan.locs):
+            by_module.setdefault(key, {})[(index, is_b)] = position
+        writes: list[tuple[str, int, int, int]] = []
+        zeroed: list[tuple[str, int | None]] = []
+        for name, module in cache.modules.items():
+            entries = by_module.pop(name, None)
+            if entries is None and type(module) in zeroed_only:
+                zeroed.append((name, None))
+                continue
+            if type(module) not in writable or module.tp_size != 1:
+                return None
+            if entries is None:
+                zeroed.append((name, None))
+                continue
+            slices, packed = len(module.lora_a_stacked), plan.packed[name]
+            indices = [None] if packed is None else list(range(packed))
+            if len(indices) != slices or len(module.lora_b_stacked) != slices:
+                return None
+            for s, index in enumerate(indices):
+                a, b = entries.get((index, False)), entries.get((index, True))
+                if a is None and b is None:
+                    zeroed.append((name, s))
+                    continue
+                if a is None or b is None:
+                    return None
+                for stack, p in ((module.lora_a_stacked[s], a), (module.lora_b_stacked[s], b)):
+                    if len(plan.shapes[p]) != 2:
+                        return None
+                    rows, cols = plan.shapes[p]
+                    if stack.dim() != 4 or stack.shape[1] != 1 or rows > stack.shape[2] or cols > stack.shape[3]:
+                        return None
+                writes.append((name, s, a, b))
+        return None if by_module else cls(writes, zeroed)
+
+    def at(self, cache: Any, plan: "ModelPlan", index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(write views, zero views) of slot `index`, made once per slot (again if vLLM ever
+        replaced its stacked tensors)."""
+        stacks = [(m.lora_a_stacked, m.lora_b_stacked) for m in cache.modules.values()]
+        if len(stacks) != len(self.stacks) or any(a is not x or b is not y
+                                                  for (a, b), (x, y) in zip(stacks, self.stacks)):
+            self.views.clear()
+            self.stacks = stacks
+        if index not in self.views:
+            writes: list[torch.Tensor] = []
+            zeros: list[torch.Tensor] = []
+            for name, s, a, b in self.writes:
+                module = cache.modules[name]
+                for stack, p in ((module.lora_a_stacked[s], a), (module.lora_b_stacked[s], b)):
+                    rows, cols = plan.shapes[p]
+                    slot = stack[index, 0]
+                    writes.append(slot[:rows, :cols])
+                    zeros += [v for v in (slot[rows:, :], slot[:rows, cols:]) if v.numel()]
+            for name, s in self.zeroed:
+                module = cache.modules[name]
+                for stacked in (module.lora_a_stacked, module.lora_b_stacked):
+                    group = list(stacked) if isinstance(stacked, (list, tuple)) else [stacked]
+                    zeros += [stack[index] for stack in (group if s is None else [group[s]])]
+            self.views[index] = (writes, zeros)
+        return self.views[index]
+
+    def matches(self, cache: Any, plan: "ModelPlan", index: int, tensors: list[torch.Tensor]) -> bool:
+        """Slot `index` holds exactly what this plan writes from `tensors` (plan order)."""
+        writes, zeros = self.at(cache, plan, index)
+        return (all(torch.equal(view, tensors[p]) for view, p in zip(writes, self.positions))
+                and not any(bool(view.any()) for view in zeros))
+
+
+@dataclass
+class ModelPlan:
+    """Where each incoming tensor of one structure lands in vLLM's merged LoRAModel."""
+
+    names: list[str]  # incoming tensor names: lora_A first, then lora_B grouped by scaling
+    locs: list[Loc]
+    shapes: list[tuple[int, ...]]
+    factors: list[float]  # what vLLM multiplies each into (lora_B: its scaling; lora_A: 1)
+    scale: list[tuple[int, int, float]]  # the same as flat ranges: (start, end, factor)
+    packed: dict[str, int | None]  # module key -> slices of a packed module (None: not packed)
+    dtype: torch.dtype
+    slots: SlotPlan | None = None
+
+    @classmethod
+    def learn(cls, staged: dict[str, torch.Tensor], before: dict[str, tuple[bool, float]], model: Any,
+              dtype: torch.dtype) -> "ModelPlan | None":
+        """From a model vLLM built out of `staged` (our tensors, already in its dtype: it keeps
+        them as they are) and then merged, find each staged tensor by identity. `before`: name ->
+        (is lora_B, scaling) as `from_lora_tensors` left them. None when a tensor was replaced
+        (stacked, pinned) or something else appeared."""
+        origin = {id(t): name for name, t in staged.items()}
+        found: dict[str, Loc] = {}
+        packed: dict[str, int | None] = {}
+        for key, weights in model.loras.items():
+            packed[key] = len(weights.lora_a) if isinstance(weights.lora_a, list) else None
+            for is_b, value in ((False, weights.lora_a), (True, weights.lora_b)):
+                for index, tensor in _parts(value):
+                    if tensor is None:
+                        continue
+                    name = origin.get(id(tensor))
+                    if name is None or name in found or name not in before or before[name][0] != is_b:
+                        return None
+                    found[name] = (key, index, is_b)
+        if set(found) != set(before) or getattr(model, "modules_to_save", None):
+            return None
+        order = [n for n in staged if n in found and not before[n][0]]
+        order += sorted((n for n in staged if n in found and before[n][0]), key=lambda n: before[n][1])
+        shapes = [tuple(staged[n].shape) for n in order]
+        factors = [before[n][1] for n in order]
+        return cls(order, [found[n] for n in order], shapes, factors, _runs(shapes, factors), packed, dtype)
+
+    def reproduces(self, tensors: dict[str, torch.Tensor], model: Any) -> bool:
+        """This plan's recipe applied to `tensors` gives `model`'s tensors bit for bit."""
+        for name, loc, factor in zip(self.names, self.locs, self.factors):
+            expected = tensors[name].to(device="cpu", dtype=self.dtype, copy=True)
+            if factor != 1:
+                expected *= factor  # in place, in vLLM's dtype, as LoRALayerWeights.optimize
+            if not torch.equal(expected, _get(model, loc)):
+                return False
+        return True
+
+    def spare(self, model: Any) -> Spare:
+        """Move a retired model's tensors into one flat buffer, in plan order."""
+        old = [_get(model, loc) for loc in self.locs]
+        flat = torch.empty(sum(t.numel() for t in old), dtype=self.dtype, pin_memory=bool(old[0].is_pinned()))
+        views, offset = [], 0
+        for tensor in old:
+            views.append(flat[offset:offset + tensor.numel()].view(tensor.shape))
+            offset += tensor.numel()
+        with torch.no_grad():
+            torch._foreach_copy_(views, old)
+        for loc, view in zip(self.locs, views):
+            _put(model, loc, view)
+        return Spare(model, flat, views)
+
+    def fill(self, spare: Spare, tensors: dict[str, torch.Tensor], int_id: int) -> Any:
+        """Copy a new version into a spare, as `from_lora_tensors` + `add_adapter` build it."""
+        with torch.no_grad():
+            torch._foreach_copy_(spare.views, [tensors[name] for name in self.names])  # casts as .to(dtype)
+            for start, end, factor in self.scale:
+                spare.flat[start:end].mul_(factor)  # lora_B *= scaling, as LoRALayerWeights.optimize
+        spare.model.id = int_id
+        return spare.model
+
+
+
+def _runs(shapes: list[tuple[int, ...]], factors: list[float]) -> list[tuple[int, int, float]]:
+    """(start, end, factor): the ranges of a flat buffer holding `shapes` in order to multiply,
+    one per run of equal factors other than 1."""
+    ranges: list[tuple[int, int, float]] = []
+    offset = 0
+    for shape, factor in zip(shapes, factors):
+        end = offset + math.prod(shape)
+        if factor != 1:
+            if ranges and ranges[-1][1] == offset and ranges[-1][2] == factor:
+                ranges[-1] = (ranges[-1][0], end, factor)
+            else:
+                ranges.append((offset, end, factor))
+        offset = end
+    return ranges
+
+
+class HotSwap:
+    """One worker's registrations: learned plans by structure, spare models, live ids."""
+
+    def __init__(self) -> None:
+        self.plans: dict[tuple, ModelPlan | None] = {}  # None: this structure is never recycled
+        self.spares: dict[tuple, list[Spare]] = {}
+        self.live: dict[int, tuple[tuple, Spare | None]] = {}  # registered here: structure, spare it reuses
+        self.seen: set[int] = set()
+        self.stats = {"built": 0, "recycled": 0, "fast_activated": 0, "vllm_activated": 0}
+
+    def add(self, manager: Any, int_id: int, tensors: dict, peft_config: dict) -> None:
+        """Register `int_id`: recycled when a plan and a spare exist, else built by vLLM's path."""
+        cache = manager._adapter_manager
+        if int_id in self.seen or int_id in cache.list_adapters():
+            raise ValueError(f"LoRA id {int_id} was registered before; ids are never reused")
+        if len(cache) + 1 > cache.capacity:
+            raise RuntimeError(f"vLLM's LoRA cache is full ({len(cache)}/{cache.capacity}); "
+                               "retire a version before publishing another")
+        self.seen.add(int_id)
+        key = structure_key(tensors, peft_config)
+        plan = self.plans.get(key)
+        spare = self.spares[key].pop() if plan is not None and self.spares.get(key) else None
+        if spare is not None:
+            assert plan is not None
+            model = plan.fill(spare, tensors, int_id)
+            cache.add_adapter(model)
+            self.stats["recycled"] += 1
+        else:
+            model = self._build(manager, key, int_id, tensors, peft_config)
+            self.stats["built"] += 1
+        self.live[int_id] = (key, spare)
+        self._activate(cache, self.plans.get(key), model, spare)
+
+    def remove(self, manager: Any, int_id: int) -> bool:
+        """Remove `int_id`; keep its LoRAModel as a spare (vLLM holds no reference any more)."""
+        model = manager._adapter_manager.get_adapter(int_id)
+        removed = bool(manager.remove_adapter(int_id))
+        key, spare = self.live.pop(int_id, (None, None))
+        plan = self.plans.get(key) if key is not None else None
+        if removed and model is not None and plan is not None:
+            spares = self.spares.setdefault(key, [])
+            if len(spares) < SPARES_PER_STRUCTURE:
+                spares.append(spare if spare is not None else plan.spare(model))
+        return removed
+
+    def _build(self, manager: Any, key: tuple, int_id: int, tensors: dict, peft_config: dict) -> Any:
+        cache = manager._adapter_manager
+        if key in self.plans:  # known: recyclable but no spare yet, or never recyclable
+            model = build_lora_model(manager, int_id, tensors, peft_config)
+            cache.add_adapter(model)
+            return model
+        # First of its structure: build from staged copies in vLLM's dtype (which vLLM keeps as
+        # they are), so each tensor can be followed by identity through vLLM's merge.
+        dtype = manager.lora_config.lora_dtype
+        pin = bool(compat.pin_memory())
+        staged = {n: t.to(device="cpu", dtype=dtype, copy=True) for n, t in tensors.items()}
+        if pin:
+            staged = {n: t.pin_memory() for n, t in staged.items()}
+        model = build_lora_model(manager, int_id, staged, peft_config)
+        origin = {id(t): n for n, t in staged.items()}
+        before: dict[str, tuple[bool, float]] = {}
+        for weights in model.loras.values():
+            for is_b, value in ((False, weights.lora_a), (True, weights.lora_b)):
+                name = origin.get(id(value))
+                if name is not None:
+                    before[name] = (is_b, float(weights.scaling) if is_b else 1.0)
+        followed = len(before) == 2 * len(model.loras)  # every tensor is one of ours, as it was
+        cache.add_adapter(model)
+        plan = ModelPlan.learn(staged, before, model, dtype) if followed else None
+        if plan is not None and not plan.reproduces(tensors, model):
+            log.warning("lora-async: vLLM built an adapter differently than expected; versions of this "
+                        "structure are registered the normal way")
+            plan = None
+        if plan is not None:
+            plan.slots = SlotPlan.learn(cache, plan)
+        self.plans[key] = plan
+        return model
+
+    def _activate(self, cache: Any, plan: ModelPlan | None, model: Any, spare: Spare | None) -> None:
+        """Put a new version in a free slot now, by foreach copies once the slot plan is trusted;
+        the first time through vLLM's own activation, read back to trust the plan. Without a
+        free slot (or a plan) vLLM activates it on first use, as it always has."""
+        slots = plan.slots if plan is not None else None
+        if slots is None or slots.trusted is False or None not in cache.lora_index_to_id:
+            return
+        index = cache.lora_index_to_id.index(None)
+        tensors = spare.views if spare is not None else [_get(model, loc) for loc in plan.locs]
+        if slots.trusted is None:
+            cache.activate_adapter(model.id)
+            self.stats["vllm_activated"] += 1
+            slots.trusted = cache.lora_index_to_id[index] == model.id and slots.matches(cache, plan, index, tensors)
+            if not slots.trusted:
+                log.warning("lora-async: vLLM's LoRA slots are laid out differently than expected; "
+                            "versions are activated the normal way")
+            return
+        if spare is None:
+            source = [tensors[p] for p in slots.positions]
+        else:
+            if spare.slot_src is None:
+                spare.slot_src = [spare.views[p] for p in slots.positions]
+            source = spare.slot_src
+        writes, zeros = slots.at(cache, plan, index)
+        cache._active_adapters[model.id] = None  # what activate_adapter records before set_lora
+        cache.lora_index_to_id[index] = model.id
+        with torch.no_grad():
+            if zeros:
+                torch._foreach_zero_(zeros)
+            torch._foreach_copy_(writes, source)
+        self.stats["fast_activated"] += 1
