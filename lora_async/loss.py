@@ -8,6 +8,10 @@ token count (an exact token-mean over the whole step).
     ratio_t = exp(logp_t - behaviour_logp_t)      # current adapter vs the version vLLM sampled
     ppo-clip:  -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)
     tis:       -min(ratio, cap).detach() * A * logp          (truncated importance sampling)
+    decoupled: -w * min(r * A, clip(r, 1 - eps, 1 + eps) * A),  r = exp(logp - prox), w = exp(prox - behaviour)
+               (decoupled PPO: the clip is anchored at the proximal policy, the learner's weights
+               before this update, prox = logp.detach(); the sampling lag is corrected by w, and
+               tokens with w > cap are left out rather than truncated)
     none:      -A * logp                                      (no correction; for comparison)
     kl:        + beta * (exp(ref - logp) - (ref - logp) - 1)  (k3 estimator, ref = adapter off)
 
@@ -94,6 +98,19 @@ def policy_loss(
         weight = ratio.clamp(max=ratio_cap).detach()
         per_token = -weight * adv * logp
         was_clipped = (ratio > ratio_cap).to(logp.dtype)
+    elif kind == "decoupled":
+        # One optimizer step per batch: the proximal policy is the learner's weights as they are
+        # now, so r = 1 in value (its gradient is d logp) and the clip never binds; it would with
+        # several updates per batch. What differs from ppo-clip under lag is the anchor: ppo-clip
+        # clips against the *sampling* version, and zeroes the gradient of every token whose
+        # ratio already drifted past 1 +- eps in the advantage's direction.
+        prox = logp.detach()
+        prox_ratio = torch.exp(logp - prox)
+        surrogate = torch.minimum(prox_ratio * adv, prox_ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv)
+        weight = torch.exp(prox - behaviour_logp)
+        kept = weight <= ratio_cap
+        per_token = -torch.where(kept, weight * surrogate, torch.zeros_like(surrogate))
+        was_clipped = (~kept).to(logp.dtype)
     elif kind == "none":
         per_token = -adv * logp
         if stale is not None and bool(stale.any()):

@@ -49,6 +49,29 @@ def test_tis_truncates_and_stops_the_gradient_through_the_weight():
     assert stats.clip_frac == pytest.approx(0.5)
 
 
+def test_decoupled_weights_by_the_sampling_lag_and_leaves_out_tokens_over_the_cap():
+    # ratios to the sampling version 1.5, 0.5, 3.0 (over the cap of 2: left out)
+    logp = t(math.log(1.5), math.log(0.5), math.log(3.0)).requires_grad_(True)
+    adv = t(1.0, -1.0, 1.0)
+    loss, stats = policy_loss(logp, t(0.0, 0.0, 0.0), adv, None, "decoupled", clip_eps=0.2, ratio_cap=2.0)
+    # the proximal ratio is 1 in value: loss = -(1.5 * 1 + 0.5 * -1 + 0)
+    assert float(loss) == pytest.approx(-(1.5 - 0.5))
+    loss.backward()
+    # d/dlogp = -w * A for kept tokens, 0 for the left-out one
+    assert logp.grad.tolist() == pytest.approx([-1.5, 0.5, 0.0])
+    assert stats.clip_frac == pytest.approx(1 / 3)
+
+
+def test_decoupled_keeps_the_gradient_ppo_clip_loses_under_lag():
+    # A sample one version old whose ratio already drifted past 1 + eps with A > 0: ppo-clip
+    # (anchored at the sampling version) gives it no gradient; decoupled still pushes it.
+    for kind, want in (("ppo-clip", 0.0), ("decoupled", -1.5)):
+        logp = t(math.log(1.5)).requires_grad_(True)
+        loss, _ = policy_loss(logp, t(0.0), t(1.0), None, kind, clip_eps=0.2, ratio_cap=2.0)
+        loss.backward()
+        assert float(logp.grad) == pytest.approx(want), kind
+
+
 def test_none_is_plain_policy_gradient():
     logp = t(-1.0, -2.0).requires_grad_(True)
     loss, stats = policy_loss(logp, t(-3.0, -0.5), t(2.0, -1.0), None, "none")
