@@ -95,7 +95,7 @@ def step_row(run: "Run", adapter: "AdapterRun", groups: list["Group"], stats: "S
         "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
         "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
         "batch_reward_mean": statistics.fmean(batch_rewards) if batch_rewards else 0.0,
-        "samples": len(samples), "groups": len(groups),
+        "samples": len(samples), "groups": len(groups), "flat_groups_trained": sum(not g.informative for g in groups),
         "tokens_generated": adapter.counters.tokens_generated - int(marks["tokens"]),
         "tokens_generated_total": sum(a.counters.tokens_generated for a in run.adapters.values()),
         "tokens_trained": stats.tokens_trained, "padded_tokens": stats.padded_tokens,

@@ -156,8 +156,8 @@ class FakeTransport:
     name = "fake"
 
     def __init__(self, generator: FakeGenerator, events: list[str], damage: set[int] = frozenset(),
-                 refuse: set[int] = frozenset()) -> None:
-        self.generator, self.events = generator, events
+                 refuse: set[int] = frozenset(), publish_s: float = 0.0) -> None:
+        self.generator, self.events, self.publish_s = generator, events, publish_s
         self.damage, self.refuse = set(damage), set(refuse)
         self.closed = False
 
@@ -167,6 +167,7 @@ class FakeTransport:
         if version.version in self.damage | self.refuse:
             self.damage.discard(version.version)
             raise PackError(f"{version.name}: checksum mismatch (corrupted transfer)")
+        time.sleep(self.publish_s)  # a hand-off that takes a while (an engine step to wait for)
         self.events.append(f"publish {version.name}")
         return self.generator.register(Delivery(version.adapter, version.version, version.nbytes, self.name,
                                                 lambda receiver, int_id: None))
@@ -251,10 +252,10 @@ class FakeParts:
 
     def __init__(self, names: list[str], gen_delay: Callable[[], float], step_s: float,
                  damage: set[int] = frozenset(), refuse: set[int] = frozenset(),
-                 reply: Callable[[GenRequest, random.Random], str] | None = None) -> None:
+                 reply: Callable[[GenRequest, random.Random], str] | None = None, publish_s: float = 0.0) -> None:
         self.events: list[str] = []
         self.fake_generator = FakeGenerator(gen_delay, self.events, reply=reply)
-        self.fake_transport = FakeTransport(self.fake_generator, self.events, damage, refuse)
+        self.fake_transport = FakeTransport(self.fake_generator, self.events, damage, refuse, publish_s)
         self.fake_learner = FakeLearner(names, self.fake_generator, self.events, step_s)
 
     def describe(self) -> str:

@@ -59,6 +59,9 @@ def test_admission_rule():
     # one step of staleness: one batch ahead while training, two while waiting
     assert may_start(True, 7, 8, 1) and not may_start(True, 8, 8, 1)
     assert may_start(False, 15, 8, 1) and not may_start(False, 16, 8, 1)
+    # a hand-off on its way: the served version is already one behind the learner
+    assert not may_start(False, 0, 8, 0, unpublished=1)
+    assert not may_start(True, 0, 8, 1, unpublished=1) and may_start(False, 7, 8, 1, unpublished=1)
 
 
 def test_packed_prompt_tree_logprobs_equal_an_unpacked_forward(tiny_model):

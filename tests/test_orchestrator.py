@@ -74,6 +74,21 @@ def test_admission_keeps_every_sample_within_max_staleness(tmp_path, staleness):
     assert versions == list(range(1, 9))  # one new version per step, never repeated
 
 
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_slow_hand_off_does_not_make_producers_start_doomed_groups(tmp_path, staleness):
+    # Each hand-off takes 0.3 s: groups started meanwhile would be sampled on a version the learner
+    # has already left, and be dropped or aborted as stale. Admission counts the pending version
+    # (without it, ~250 groups were thrown away here for the 16 trained).
+    cfg = config(tmp_path, buffer={"max_staleness": staleness})
+    summary = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.02, step_s=0.15, publish_s=0.3))
+    assert summary["steps"] == 8
+    last = steps(cfg)[-1]
+    trained_groups = 8 * 2
+    wasted_groups = last["dropped_stale"] // 4 + last["aborted_stale_groups"]
+    assert wasted_groups < trained_groups
+    assert max(r["policy_lag_max"] for r in steps(cfg)) <= staleness
+
+
 def test_rollouts_a_step_makes_too_stale_are_aborted(tmp_path):
     """A long-tailed generation: 1 request in 4 takes 3 s while steps take 0.1 s."""
     rng = random.Random(1)
@@ -185,3 +200,40 @@ def test_a_reward_that_always_fails_stops_the_run_with_its_error(tmp_path, monke
     err = capsys.readouterr().err
     shown = [line for line in err.splitlines() if "the reward failed" in line]
     assert len(shown) == 1 and "NameError" in shown[0] and "undefined_helper" in shown[0]
+
+
+def test_without_flat_group_filtering_steps_take_groups_as_they_come(tmp_path):
+    # Prompts with an even item number always score 0 in all samples (a flat group).
+    def reply(request, rng):
+        flat = int(bytes(request.prompt_ids).decode().split()[-1]) % 2 == 0  # "item N\n"
+        return "yabc" if flat else ("x" if rng.random() < 0.5 else "y") + "abc"
+
+    figures = {}
+    for skip in (True, False):
+        (tmp_path / str(skip)).mkdir()
+        cfg = config(tmp_path / str(skip), learner={"groups_per_step": 2, "skip_flat_groups": skip})
+        run(cfg, FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.05, reply=reply))
+        rows = steps(cfg)
+        figures[skip] = (sum(r["flat_groups_trained"] for r in rows), rows[-1]["zero_adv_groups"])
+    trained_flat, skipped = figures[True]
+    assert trained_flat == 0 and skipped > 0  # filtering: flat groups are skipped and counted
+    trained_flat, skipped = figures[False]
+    assert trained_flat > 0 and skipped == 0  # without: they are trained on, nothing is skipped
+
+
+def test_save_every_keeps_stamped_snapshots_and_the_start_row_says_how_long_startup_took(tmp_path):
+    cfg = config(tmp_path, run={"max_steps": 6, "save_every": 2})
+    run(cfg, FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.05))
+    out = Path(cfg.run.output_dir)
+    infos = sorted((json.loads(p.read_text()) for p in (out / "adapters" / "main").glob("v*/lora_async.json")),
+                   key=lambda i: i["step"])
+    # v6 is also the final adapter (saved again at the end, stamped then)
+    assert [i["step"] for i in infos] == [0, 2, 4, 6]
+    assert [i["version"] for i in infos] == [0, 2, 4, 6]
+    snaps = [i for i in infos if i.get("snapshot")]
+    assert [i["step"] for i in snaps] == [0, 2, 4]
+    # stamped with the training clock of the step that made the version
+    clock = {r["step"]: r["wall_s"] for r in steps(cfg)}
+    assert all(i["wall_s"] == pytest.approx(clock[i["step"]], abs=1e-3) for i in snaps[1:])
+    start = [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "start"]
+    assert len(start) == 1 and start[0]["startup_s"] > 0 and start[0]["resumed"] is False

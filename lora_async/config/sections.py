@@ -99,6 +99,10 @@ class LearnerConfig(Section):
         description="Max micro-batches per step; groups that do not fit wait for the next step.",
     )
     grad_clip: float = Field(1.0, gt=0.0, le=1e6, description="Max global gradient norm.")
+    skip_flat_groups: bool = Field(
+        True, description="Fill a step with informative groups only (rewards not all equal); false: train on "
+                          "the next groups_per_step groups as they come, flat ones included.",
+    )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="Compute dtype of the learner's frozen base; 'auto' as model.dtype decides."
     )
@@ -149,8 +153,8 @@ class BufferConfig(Section):
 
 
 class LossConfig(Section):
-    type: Literal["ppo-clip", "tis", "none"] = Field(
-        "ppo-clip", description="Importance correction against vLLM's sampling logprobs."
+    type: Literal["ppo-clip", "tis", "decoupled", "none"] = Field(
+        "ppo-clip", description="Importance correction against vLLM's sampling logprobs (see lora_async/loss.py)."
     )
     clip_eps: float = Field(0.2, gt=0.0, le=10.0, description="PPO clip range (1-eps, 1+eps).")
     ratio_cap: float = Field(2.0, ge=1.0, le=1e4, description="Truncation of the IS weight (tis, is-correct).")
@@ -166,6 +170,10 @@ class RunConfig(Section):
     output_dir: str = Field("runs/default", description="Where metrics, adapters and checkpoints go.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
     eval_every: int = Field(0, ge=0, description="Held-out greedy eval every N steps (0 = off).")
+    save_every: int = Field(
+        0, ge=0, description="Save the adapter to OUT/adapters/NAME/vK every N steps and at the start, stamped with "
+                             "the step and training clock, without a checkpoint (0 = off); for scoring afterwards.",
+    )
     eval_max_tokens: int | None = Field(
         None, ge=1, le=32768, description="Completion limit for held-out eval (None = sampling.max_new_tokens)."
     )

@@ -1,7 +1,8 @@
 """Collecting: one batch of groups per learner step, per adapter.
 
 A batch is `learner.groups_per_step` informative groups (rewards not all equal: the others give
-no gradient and are skipped and counted) that the learner can take in one step. The lag is
+no gradient and are skipped and counted; `learner.skip_flat_groups = false` keeps them) that the
+learner can take in one step. The lag is
 stamped against the learner's version when a group is taken (stale ones are dropped then).
 """
 
@@ -39,9 +40,12 @@ async def collect_batch(run: Run, adapter: AdapterRun) -> list[Group] | None:
     its step budget and the metrics show the flat rewards instead of waiting forever."""
     cfg = run.config.learner
     groups, adapter.carry = adapter.carry, []
+    adapter.collected = len(groups)
     adapter.pulled_rewards = [s.reward for g in groups for s in g.samples]
     adapter.pulled_episodes = [row for g in groups for row in g.episodes]
-    keep_flat = run.config.loss.kl_coef > 0  # the KL term has a gradient even without advantages
+    # The KL term has a gradient even without advantages; without filtering a step takes the
+    # groups as they come (a flat group then counts towards groups_per_step but moves nothing).
+    keep_flat = run.config.loss.kl_coef > 0 or not cfg.skip_flat_groups
     pulled = 0
     while len(groups) < cfg.groups_per_step:
         if run.finished(adapter):
@@ -61,6 +65,7 @@ async def collect_batch(run: Run, adapter: AdapterRun) -> list[Group] | None:
             break
         else:
             groups.append(group)
+            adapter.collected = len(groups)
         if pulled >= MAX_PULL_FACTOR * cfg.groups_per_step:
             if not groups and not adapter.warned_flat:
                 adapter.warned_flat = True

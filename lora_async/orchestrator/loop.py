@@ -15,8 +15,10 @@ lets producers start only while the learner waits for data.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Callable
 
+import psutil
 from rich.console import Console
 
 from ..buffer import Group
@@ -24,7 +26,7 @@ from ..config import TrainConfig
 from ..metrics import step_marks, step_row
 from .batches import start_collectors
 from .lifecycle import Parts, finish_run, install_stop_signals, setup_run, stop_workers
-from .periodic import after_step, evaluate_all
+from .periodic import after_step, evaluate_all, save_snapshot
 from .publish import publish_and_record, publish_initial
 from .rollouts import ROLLOUT_TAG, start_producers
 from .state import AdapterRun, Run, TrainingError, samples_of
@@ -49,6 +51,9 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
     7. a failure is raised as `TrainingError` (after the summary is written).
     """
     run = await setup_run(config, resume, console or Console(stderr=True), parts)
+    # What a user waited for before training began (imports, model build, engine start).
+    run.metrics.event({"kind": "start", "startup_s": round(time.time() - psutil.Process().create_time(), 2),
+                       "resumed": resume})
     install_stop_signals(run)
     workers: list[asyncio.Task] = []
     try:
@@ -89,7 +94,7 @@ async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None
     # stale: stop them now, so the engine (and, on shared cores, the learner) gets the time.
     oldest_useful = run.learner.version(adapter.name) + 1 - run.config.buffer.max_staleness
     run.generator.abort_older(adapter.name, oldest_useful, ROLLOUT_TAG)
-    adapter.busy = True
+    adapter.busy, adapter.collected = True, 0
     stats = await run.in_learner(run.learner.train_step, adapter.name, samples_of(groups))
     version = await run.in_learner(run.learner.adapter_version, adapter.name) if stats.updated else None
     adapter.busy = False
@@ -100,5 +105,12 @@ async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None
     row = step_row(run, adapter, groups, stats)
     adapter.last_reward = row["reward_mean"]
     adapter.marks = step_marks(run, adapter)
+    if version is not None and snapshot_due(run, adapter):
+        save_snapshot(run, adapter, version, row["wall_s"])
     adapter.publishing = asyncio.create_task(publish_and_record(run, adapter, version, row, adapter.publishing))
     await after_step(run, adapter)
+
+
+def snapshot_due(run: Run, adapter: AdapterRun) -> bool:
+    every = run.config.run.save_every
+    return bool(every) and adapter.step % every == 0

@@ -7,6 +7,7 @@ import asyncio
 
 from ..checkpoint import RunState, save_checkpoint
 from ..evaluate import EvalResult, evaluate_task
+from ..generator.types import AdapterVersion
 from .state import AdapterRun, Run
 
 
@@ -35,6 +36,15 @@ async def checkpoint(run: Run) -> None:
     await run.in_learner(save_checkpoint, run.out_dir, state, run.learner)
     for adapter in run.adapters.values():
         await save_adapter(run, adapter, final=False)
+
+
+def save_snapshot(run: Run, adapter: AdapterRun, version: AdapterVersion, wall_s: float) -> None:
+    """`run.save_every`: this version of the adapter in the store, stamped with its step and the
+    training clock at the step's end, written in the background (the tensors are the learner's
+    copy for the hand-off; nothing writes to them)."""
+    info = {"step": adapter.step, "wall_s": round(wall_s, 3), "reward_mean": adapter.last_reward, "snapshot": True}
+    run.in_background(asyncio.to_thread(run.store.save, adapter.name, version.version, version.tensors,
+                                         version.peft_config, info, False))
 
 
 async def save_adapter(run: Run, adapter: AdapterRun, final: bool) -> None:

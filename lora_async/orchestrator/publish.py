@@ -15,6 +15,7 @@ from ..generator.types import AdapterVersion, GenRequest, PublishStats
 from ..generator.validate import AdapterError
 from ..sync.pack import PackError
 from ..tasks import render_prompt
+from .periodic import save_snapshot
 from .state import AdapterRun, Run, TrainingError
 
 MAX_REJECTED_IN_A_ROW = 3  # transfers of one adapter refused in a row before the run stops
@@ -38,6 +39,8 @@ async def publish_initial(run: Run) -> None:
         version = await run.in_learner(run.learner.adapter_version, adapter.name)
         await asyncio.to_thread(run.transport.publish, version)
         adapter.published = version.version
+        if run.config.run.save_every:
+            save_snapshot(run, adapter, version, run.wall_s)
     await run.notify()
 
 

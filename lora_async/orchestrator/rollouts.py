@@ -21,14 +21,18 @@ ADMISSION_POLL_S = 0.25  # producers re-check admission at least this often (sta
 ROLLOUT_TAG = "rollout"  # GenRequest.tag of training rollouts (the only requests cut short as stale)
 
 
-def may_start(learner_busy: bool, queued_groups: int, groups_per_step: int, max_staleness: int) -> bool:
-    """Admission of a new group on the newest version v.
+def may_start(learner_busy: bool, queued_groups: int, groups_per_step: int, max_staleness: int,
+              unpublished: int = 0) -> bool:
+    """Admission of a new group on the newest *served* version.
 
-    A group started now will be trained at about version v + busy + queued // groups_per_step;
-    start it only if that lag stays within max_staleness. With max_staleness = 0 producers
-    run only while the learner waits for data: synchronous training from the same loop.
+    A group started now is sampled on the newest version the generator serves, which is
+    `unpublished` versions behind the learner while a hand-off is on its way, and it will be
+    trained about `busy + queued // groups_per_step` steps from now: start it only if that lag
+    stays within max_staleness (a group started on a version about to be superseded would only
+    be dropped as stale). With max_staleness = 0 producers run only while the learner waits for
+    data and the generator serves its newest version: synchronous training from the same loop.
     """
-    return int(learner_busy) + queued_groups // groups_per_step <= max_staleness
+    return int(learner_busy) + unpublished + queued_groups // groups_per_step <= max_staleness
 
 
 def producer_quota(weights: dict[str, float], groups_in_flight: int) -> dict[str, int]:
@@ -74,12 +78,20 @@ async def admitted(run: Run, adapter: AdapterRun) -> None:
     cfg = run.config
     async with run.admission:
         while run.running and not may_start(
-                adapter.busy, adapter.in_flight + run.buffer.groups(adapter.name) + len(adapter.carry),
-                adapter.groups_consumed_per_step(cfg.learner.groups_per_step), cfg.buffer.max_staleness):
+                adapter.busy,
+                adapter.in_flight + run.buffer.groups(adapter.name) + len(adapter.carry) + adapter.collected,
+                adapter.groups_consumed_per_step(cfg.learner.groups_per_step), cfg.buffer.max_staleness,
+                unpublished(run, adapter)):
             try:
                 await asyncio.wait_for(run.admission.wait(), ADMISSION_POLL_S)
             except asyncio.TimeoutError:
                 pass
+
+
+def unpublished(run: Run, adapter: AdapterRun) -> int:
+    """Versions the learner made that the generator does not serve yet (a hand-off on its way;
+    a refused version counts until the next one lands, as the generator keeps serving the old)."""
+    return max(0, run.learner.version(adapter.name) - adapter.published)
 
 
 async def make_group(run: Run, adapter: AdapterRun, index: int) -> Group | None:

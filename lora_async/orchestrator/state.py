@@ -107,6 +107,7 @@ class AdapterRun:
     busy: bool = False  # the learner is training this adapter
     in_flight: int = 0
     carry: list[Group] = field(default_factory=list)  # taken, but did not fit the last step
+    collected: int = 0  # groups taken into the batch being collected (or waiting to train)
     pulled_rewards: list[float] = field(default_factory=list)  # every group taken for this step
     pulled_episodes: list[dict[str, float]] = field(default_factory=list)  # ... and their episodes
     informative_rate: float = 1.0  # running share of groups with a reward signal
