@@ -8,7 +8,8 @@ DEMO_OUT ?= runs/demo
 BENCH_STAMP := $(VENV)/.lora-async-bench-installed
 COMMA := ,
 PEERS_BUDGET ?= 300
-PEERS_OUT ?= runs/peers
+PEERS_SEEDS ?= 0,1,2
+PEERS_OUT ?= runs/peers-v2
 
 .PHONY: test-long install demo test bench bench-peers clean
 
@@ -60,7 +61,7 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench-peers: $(BENCH_STAMP)
-	$(BIN)/python bench/peers/run.py --budget $(PEERS_BUDGET) --out $(PEERS_OUT) --results bench/results/peers.json
+	$(BIN)/python bench/peers/run.py --budget $(PEERS_BUDGET) --seeds $(PEERS_SEEDS) --runs async,sync,trl --out $(PEERS_OUT) --results bench/results/peers-v2.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -5,6 +5,7 @@ line per run (and per adapter in a fleet). Headless matplotlib."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,26 @@ def load_run(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
             for a in adapters}
 
 
-def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None) -> Path:
+SEED_SUFFIX = re.compile(r"-s\d+$")  # `--group-seeds`: runs named NAME-s0, NAME-s1 ... are one system
+
+
+def legend_styles(names: list[str], group_seeds: bool) -> dict[str, tuple[str | None, int | None]]:
+    """Per series: (legend label or None, colour index or None for matplotlib's next). With
+    `group_seeds`, NAME-s0, NAME-s1 ... share NAME's colour and its one legend entry."""
+    if not group_seeds:
+        return {name: (name, None) for name in names}
+    systems = list(dict.fromkeys(SEED_SUFFIX.sub("", name) for name in names))
+    styles: dict[str, tuple[str | None, int | None]] = {}
+    labelled: set[str] = set()
+    for name in names:
+        system = SEED_SUFFIX.sub("", name)
+        styles[name] = (None if system in labelled else system, systems.index(system))
+        labelled.add(system)
+    return styles
+
+
+def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, group_seeds: bool = False) -> Path:
+    """One line per run; with `group_seeds`, runs named NAME-sK share NAME's colour and legend entry."""
     os.environ.setdefault("MPLBACKEND", "Agg")
     import matplotlib
 
@@ -57,20 +77,23 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None) -> Path
     for run_dir in run_dirs:
         for label, rows in load_run(run_dir).items():
             series[label if label not in series else f"{label} ({run_dir})"] = rows
+    palette = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = legend_styles(list(series), group_seeds)
     episodic = any("episodes" in r for rows in series.values() for r in rows if "kind" not in r)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for ax, (key, label) in zip(axes.flat, ENV_PANELS if episodic else PANELS):
         for name, rows in series.items():
             steps = [(r["wall_s"], r[key]) for r in rows if "kind" not in r and r.get(key) is not None]
             evals = [(r["wall_s"], r[key]) for r in rows if r.get("kind") == "eval" and r.get(key) is not None]
-            color = None
+            legend, colour = styles[name]
+            color = None if colour is None else palette[colour % len(palette)]
             if steps:
                 xs, ys = zip(*sorted(steps))
-                color = ax.plot(xs, ys, label=name)[0].get_color()
+                color = ax.plot(xs, ys, label=legend, color=color, alpha=0.8 if group_seeds else 1.0)[0].get_color()
             if evals:
                 xs, ys = zip(*sorted(evals))
                 ax.plot(xs, ys, marker="o", markersize=3, color=color, linestyle=":" if steps else "-",
-                        label=None if steps else name)
+                        label=None if steps else legend)
         ax.set_title(label)
         ax.grid(alpha=0.3)
     for ax in axes[1]:

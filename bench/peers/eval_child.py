@@ -1,25 +1,45 @@
-"""Held-out accuracy of the peer benchmark's TRL run, measured by lora-async's own evaluation.
+"""Held-out accuracy of a peer-benchmark run, scored after the run by lora-async's evaluation.
 
     python bench/peers/eval_child.py --run-dir DIR --config CONFIG [--set KEY=VALUE ...]
 
-Every adapter trl_child.py saved (`DIR/snapshots.jsonl`) is loaded from its PEFT directory by
-vLLM's own loader, as `lora-async eval --adapter DIR` does, and scored greedily on the task's
-held-out problems with `run.eval_max_tokens`, all on one engine. The scores replace the eval
-rows of `DIR/metrics.jsonl` (lora-async's format: kind = "eval", stamped with the training
-wall-clock at which the adapter was saved), so `lora-async plot` draws them like a lora-async run.
+Every system saves its adapter at fixed steps, stamped with its training clock; this scores each
+saved adapter the same way, off every system's clock:
+- a TRL run lists them in `DIR/snapshots.jsonl` (trl_child.py);
+- a lora-async run keeps them in its adapter store, `DIR/adapters/main/vK/` (`run.save_every`,
+  and the final adapter; `lora_async.json` holds the step and the training clock).
+
+Each adapter is loaded from its PEFT directory by vLLM's own loader, as `lora-async eval
+--adapter DIR` does, and scored greedily on the task's held-out problems with
+`run.eval_max_tokens`, all on one engine. The scores replace the eval rows of `DIR/metrics.jsonl`
+(lora-async's format: kind = "eval", stamped with the training clock at which the adapter was
+saved), so `lora-async plot` draws every system alike. `DIR/eval.json` says how long scoring took.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
-from trl_child import ADAPTER
+ADAPTER = "main"  # the adapter's name in metrics rows (lora-async's name for a single adapter)
+EVAL_SLOT = "eval"  # the engine's name for the adapter under evaluation; each snapshot is a new version
 
-# The engine's name for the adapter under evaluation; each snapshot is a new version of it.
-EVAL_SLOT = "eval"
+
+def snapshots(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's saved adapters in step order: step, wall_s, when, path."""
+    from lora_async.metrics import read_metrics
+
+    listed = run_dir / "snapshots.jsonl"
+    if listed.is_file():
+        return read_metrics(listed)
+    found = []
+    for info_file in (run_dir / "adapters" / ADAPTER).glob("v*/lora_async.json"):
+        info = json.loads(info_file.read_text())  # a snapshot, or the final adapter (stamped at the end)
+        found.append({"step": info["step"], "wall_s": info["wall_s"],
+                      "when": "snapshot" if info.get("snapshot") else "end", "path": str(info_file.parent.resolve())})
+    return sorted(found, key=lambda s: s["step"])
 
 
 def score_snapshots(config: Any, snaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -49,24 +69,27 @@ def score_snapshots(config: Any, snaps: list[dict[str, Any]]) -> list[dict[str, 
 
 
 def replace_eval_rows(metrics: Path, rows: list[dict[str, Any]]) -> None:
-    """Keep the step rows of `metrics`, drop its old eval rows, append `rows`."""
+    """Keep the other rows of `metrics`, drop its old eval rows, append `rows`."""
     kept = [line for line in metrics.read_text().splitlines() if '"kind": "eval"' not in line]
     metrics.write_text("".join(f"{line}\n" for line in kept) + "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run-dir", type=Path, required=True, help="the TRL run's directory")
+    p.add_argument("--run-dir", type=Path, required=True, help="the run's directory")
     p.add_argument("--config", required=True, help="the lora-async config the benchmark runs")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="lora-async config override")
     a = p.parse_args(argv)
     from lora_async.config import load_config
-    from lora_async.metrics import read_metrics
 
-    snaps = read_metrics(a.run_dir / "snapshots.jsonl")
+    began = time.perf_counter()
+    snaps = snapshots(a.run_dir)
     if not snaps:
-        raise SystemExit("error: the TRL run saved no adapters")
-    replace_eval_rows(a.run_dir / "metrics.jsonl", score_snapshots(load_config(a.config, a.set), snaps))
+        raise SystemExit(f"error: {a.run_dir} has no saved adapters to score")
+    rows = score_snapshots(load_config(a.config, a.set), snaps)
+    replace_eval_rows(a.run_dir / "metrics.jsonl", rows)
+    (a.run_dir / "eval.json").write_text(json.dumps({"snapshots": len(rows),
+                                                      "eval_s": round(time.perf_counter() - began, 1)}))
 
 
 if __name__ == "__main__":  # vLLM spawns processes that re-import this module

@@ -76,6 +76,11 @@ class StepRecorder:
         self.paused += time.perf_counter() - began
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        import psutil
+
+        # What a user waited for before training began (imports, model load), as lora-async records it.
+        startup_s = round(time.time() - psutil.Process().create_time(), 2)
+        self.metrics.write(json.dumps({"kind": "start", "startup_s": startup_s, "resumed": False}) + "\n")
         self.t0 = time.perf_counter()
         self.save(model, 0, "start")
 
@@ -165,6 +170,8 @@ def grpo_settings(cfg: Any, a: argparse.Namespace) -> dict[str, Any]:
     """GRPOConfig fields: the lora-async config's batch shape and sampling, TRL's defaults else."""
     import torch
 
+    from lora_async.dtypes import resolve_dtype
+
     sampling = cfg.sampling
     prompts_per_step = cfg.learner.groups_per_step
     settings: dict[str, Any] = dict(
@@ -183,6 +190,10 @@ def grpo_settings(cfg: Any, a: argparse.Namespace) -> dict[str, Any]:
     )
     if not torch.cuda.is_available():
         settings["use_cpu"] = True  # TRL's default bf16=True needs it on CPU (transformers' check)
+        # Matched precision: lora-async's learner computes in bf16 only where the CPU has it natively
+        # (emulated bf16 is ~4x slower); TRL's default bf16 autocast would pay the emulation.
+        settings["bf16"] = resolve_dtype(cfg.learner.dtype, "cpu") == "bfloat16"
+    settings["seed"] = cfg.run.seed  # a matched setting: the benchmark repeats each system over seeds
     if a.mode in ("colocate", "server"):
         settings.update(use_vllm=True, vllm_mode=a.mode)
     for item in a.trl_arg:

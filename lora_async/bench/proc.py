@@ -26,6 +26,7 @@ from ..metrics import read_metrics
 
 # The accuracy whose first crossing the summaries time: the key `time_to_acc_0.5_s` names it.
 TARGET_ACCURACY = 0.5
+ACCURACY_MARKS = (0.5, 0.7, 0.8)  # each mark's first crossing: `time_to_acc_<mark>_s`
 # Sampling RSS twice a second catches a vLLM engine's start-up peak (it lasts seconds) at a cost
 # of one /proc walk per sample, too little to show on the 2-core benchmark machine.
 RSS_SAMPLE_S = 0.5
@@ -207,7 +208,8 @@ def summarize_run(run_dir: Path, budget: float, target: float = TARGET_ACCURACY)
         "steps": len(steps),
         "wall_s": wall,
         "budget_s": budget,
-        "time_to_acc_0.5_s": next((e["wall_s"] for e in evals if e["accuracy"] >= TARGET_ACCURACY), None),
+        **{f"time_to_acc_{mark}_s": next((e["wall_s"] for e in evals if e["accuracy"] >= mark), None)
+           for mark in ACCURACY_MARKS},
         "target": target,
         "time_to_target_s": next((e["wall_s"] for e in evals if e["accuracy"] >= target), None),
         "tokens_trained": sum(r.get("tokens_trained", 0) for r in steps),
@@ -229,7 +231,34 @@ def summarize_run(run_dir: Path, budget: float, target: float = TARGET_ACCURACY)
         "gen_tokens_per_s": tokens / wall if wall else 0.0,
         "policy_lag_mean": statistics.fmean(lags) if lags else None,
         "dropped_stale": steps[-1].get("dropped_stale") if steps else 0,
+        "zero_adv_groups": steps[-1].get("zero_adv_groups") if steps else None,
         **_engine_figures(steps, wall),
+        **_time_breakdown(rows, steps),
+    }
+
+
+def _time_breakdown(rows: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Where a run's time went, in seconds: startup (launch to training start, from the `start`
+    row), time to the first learner step (startup plus the first step's training clock),
+    generation (the engine's busy time; a TRL row's `gen_s`), learner, and adapter sync. On one
+    machine generation and learner overlap in async runs, so they need not add up to the clock."""
+    start = next((r for r in rows if r.get("kind") == "start"), None)
+    startup = start.get("startup_s") if start else None
+    first = steps[0]["wall_s"] if steps else None
+    gen_s = None
+    if steps and all(r.get("gen_idle_frac") is not None for r in steps):
+        step_s = [b["wall_s"] - a["wall_s"] for a, b in zip([{"wall_s": 0.0}, *steps], steps)]
+        gen_s = sum(t * (1.0 - r["gen_idle_frac"]) for t, r in zip(step_s, steps))
+    elif steps and all(r.get("gen_s") is not None for r in steps):
+        gen_s = sum(r["gen_s"] for r in steps)
+    learner = [r["learner_s"] for r in steps if r.get("learner_s") is not None]
+    syncs = [r["sync_ms"] for r in steps if r.get("sync_ms") is not None]
+    return {
+        "startup_s": startup,
+        "time_to_first_step_s": startup + first if startup is not None and first is not None else None,
+        "gen_s": gen_s,
+        "learner_s": sum(learner) if learner else None,
+        "sync_s": sum(syncs) / 1000 if syncs else None,
     }
 
 

@@ -109,12 +109,14 @@ def plot(
     run_dirs: list[Path] = typer.Argument(..., help="One or more run directories."),
     out: Path = typer.Option(..., "-o", "--out", help="PNG file to write."),
     title: Optional[str] = typer.Option(None, "--title"),
+    group_seeds: bool = typer.Option(False, "--group-seeds",
+                                     help="Runs named NAME-s0, NAME-s1 ... (seeds) share one colour and legend entry."),
 ) -> None:
     """Reward, held-out accuracy, policy lag and sync time against wall-clock, one line per run."""
     from ..plot import PlotError, plot_runs
 
     try:
-        path = plot_runs(run_dirs, out, title)
+        path = plot_runs(run_dirs, out, title, group_seeds)
     except PlotError as exc:
         fail(str(exc), code=1)
     Console().print(f"wrote {path}")
