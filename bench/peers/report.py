@@ -88,11 +88,16 @@ def table(systems: dict[str, dict[str, Any]]) -> str:
         med = fig["median"]
         if med is None and "not_reached" not in fig:
             return "-"
-        text = "not reached" if med is None else f"{med:.{digits}f}"
-        if fig["min"] is not None and fig["max"] is not None and len(fig["values"]) > 1:
+        values = fig["values"]
+        if med is None:  # the median run did not get there: say which runs did
+            reached = [f"{v:.{digits}f}" for v in values if v is not None]
+            return f"not reached ({len(reached)} of {len(values)} did: {', '.join(reached)})" if reached else \
+                f"not reached (0 of {len(values)})"
+        text = f"{med:.{digits}f}"
+        if fig["min"] is not None and fig["max"] is not None and len(values) > 1:
             text += f" ({fig['min']:.{digits}f}-{fig['max']:.{digits}f})"
         if fig.get("not_reached"):
-            text += f", {fig['not_reached']} of {len(fig['values'])} not reached"
+            text += f", {fig['not_reached']} of {len(values)} not reached"
         return text
 
     rows = [("seeds", lambda f: ",".join(map(str, f["seeds"]))),
