@@ -193,7 +193,7 @@ def test_partial_rollouts_continue_a_stale_turn_on_the_newest_version(tmp_path, 
     assert summary["aborted_stale_groups"] == 0
     stopped = [(prompt, version, ids) for prompt, version, ids, how in parts.fake_generator.served if how == "stopped"]
     samples = [s for t in parts.fake_learner.trained for s in t.samples]
-    resumed = 0
+    resumed = moved_on = 0
     for prompt, version, ids in stopped:
         for s in samples:
             full = s.prompt_ids + s.completion_ids
@@ -206,9 +206,13 @@ def test_partial_rollouts_continue_a_stale_turn_on_the_newest_version(tmp_path, 
                 assert all(s.token_trained()[offset:offset + len(ids)])
                 assert s.logprobs[offset:offset + len(ids)] == [-2.0] * len(ids)
                 if offset + len(ids) < len(versions) and s.token_trained()[offset + len(ids)]:
-                    assert versions[offset + len(ids)] > version
+                    # The rest is drawn on the newest version the generator *serves*: usually a
+                    # newer one, but the same one while the newer version's hand-off is still in
+                    # flight (seen under load in CI; the turn is then stopped again later).
+                    assert versions[offset + len(ids)] >= version
                 resumed += 1
-    assert resumed > 0
+                moved_on += versions[-1] > version
+    assert resumed > 0 and moved_on > 0  # and continued turns do reach newer versions
 
 
 def test_without_partial_rollouts_a_stale_turn_drops_its_group(tmp_path, env_module):
