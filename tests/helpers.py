@@ -12,8 +12,9 @@ from lora_async.generator.types import AdapterVersion, GenRequest, GenResult, Pu
 
 
 def random_adapter(model_dir: Path, adapter: str, version: int, seed: int, scale: float = 1.0,
-                   rank: int = 8, **peft_kwargs) -> AdapterVersion:
-    """A peft LoRA with random A and B (so it visibly changes outputs), as an AdapterVersion."""
+                   rank: int = 8, gathered: bool = False, **peft_kwargs) -> AdapterVersion:
+    """A peft LoRA with random A and B (so it visibly changes outputs), as an AdapterVersion:
+    separate tensors, or (`gathered`) views of one buffer, as the learner hands a version over."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -26,6 +27,8 @@ def random_adapter(model_dir: Path, adapter: str, version: int, seed: int, scale
     model = get_peft_model(base, cfg)
     tensors = {k: (v.detach() * scale).clone() for k, v in get_peft_model_state_dict(model).items()}
     config = peft_config_dict(cfg)
+    if gathered:
+        return AdapterVersion.gather(adapter, version, tensors, config)
     return AdapterVersion(adapter, version, tensors, config)
 
 
@@ -49,7 +52,7 @@ def inproc_reference(model_dir: Path, adapter: str, seeds: tuple[int, ...], read
 
 
 def publish(engine, version: AdapterVersion) -> PublishStats:
-    """The in-process path a training run takes (validate, owned tensors, register)."""
+    """The in-process path a training run takes (validate, tensors lent to the worker, register)."""
     from lora_async.sync.transports import InprocTransport
 
     return InprocTransport(engine).publish(version)

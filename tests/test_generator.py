@@ -450,16 +450,20 @@ def assert_same_answers(got, expected):
         assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
 
 
-def test_recycled_versions_serve_what_vllm_loads_itself(engine, tiny_model, tmp_path):
+@pytest.mark.parametrize("gathered", [False, True], ids=["separate", "gathered"])
+def test_recycled_versions_serve_what_vllm_loads_itself(engine, tiny_model, tmp_path, gathered):
     """Invariant 2: successive versions copied into retired versions' LoRAModels (and written
     into a free slot by lora-async) hold the tensors vLLM's own build holds, fill the slot as
     vLLM's activation does, and answer exactly as the same tensors loaded by vLLM from a PEFT
     directory: greedy tokens and logprobs, over seven versions (with one spare per structure
-    and two live versions, the 7th reuses the LoRAModel the 4th reused: v0's)."""
+    and two live versions, the 7th reuses the LoRAModel the 4th reused: v0's). Versions come
+    as separate tensors, or gathered in one buffer as the learner hands them over (then each
+    recycled version is copied in with one op)."""
     before = hotswap_stats(engine)
     models, previous = [], None
     for i in range(7):
-        version = random_adapter(tiny_model, "a", next_version(engine, "a"), seed=300 + i, scale=3.0)
+        version = random_adapter(tiny_model, "a", next_version(engine, "a"), seed=300 + i, scale=3.0,
+                                 gathered=gathered)
         dirty_free_slots(engine)
         stats = publish(engine, version)
         models.append(registered_model(engine, stats.int_id))
@@ -475,8 +479,55 @@ def test_recycled_versions_serve_what_vllm_loads_itself(engine, tiny_model, tmp_
     after = hotswap_stats(engine)
     assert after["recycled"] - before["recycled"] >= 4
     assert after["fast_activated"] - before["fast_activated"] >= 4
+    assert after["one_copy"] - before["one_copy"] == (after["recycled"] - before["recycled"] if gathered else 0)
     reused = [sum(other is model for other in models) for model in models]
     assert max(reused) >= 3, "no LoRAModel served three versions"
+
+
+@pytest.mark.parametrize("gathered", [False, True], ids=["separate", "gathered"])
+def test_the_worker_keeps_none_of_the_senders_tensors(engine, tiny_model, gathered):
+    """The in-process transport lends the learner's tensors for the registration only: built
+    the first time, recycled after, a version answers the same after the sender overwrote
+    every tensor it handed over. (A structure of its own, gate_proj and up_proj only, so the
+    first versions are built here.)"""
+    before = hotswap_stats(engine)
+    for i in range(4):
+        version = only_modules(random_adapter(tiny_model, "b", next_version(engine, "b"), seed=650 + i, scale=3.0),
+                               ("gate_proj", "up_proj"))
+        if gathered:
+            version = AdapterVersion.gather(version.adapter, version.version, version.tensors, version.peft_config)
+        publish(engine, version)
+        mine = answers(engine, "b")
+        with torch.no_grad():
+            for tensor in version.tensors.values():
+                tensor.fill_(7.0)
+        assert_same_answers(answers(engine, "b"), mine)
+    after = hotswap_stats(engine)
+    assert after["built"] > before["built"] and after["recycled"] > before["recycled"]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_bad_values_on_the_recycled_path_are_refused_and_the_spare_survives(engine, tiny_model, bad):
+    """The worker checks a recycled version's values on the copy it makes: a NaN or Inf is one
+    clear error naming the version, nothing is registered, the live version keeps answering,
+    and the next good version still recycles (the spare went back) and holds vLLM's own build."""
+    for i in range(3):  # enough for a plan and a spare of this structure
+        publish(engine, random_adapter(tiny_model, "c", next_version(engine, "c"), seed=700 + i, gathered=True))
+    live = next_version(engine, "c") - 1
+    expected = answers(engine, "c")
+    before = hotswap_stats(engine)
+    version = random_adapter(tiny_model, "c", live + 1, seed=710, gathered=True)
+    key = next(k for k in version.tensors if k.endswith("lora_B.weight"))
+    version.tensors[key][0, 0] = bad
+    with pytest.raises(AdapterError, match=rf"c@v{live + 1}: .*NaN or Inf") as err:
+        publish(engine, version)
+    assert "\n" not in str(err.value)
+    assert engine.live_versions("c")[-1] == live
+    assert_same_answers(answers(engine, "c"), expected)
+    good = random_adapter(tiny_model, "c", live + 2, seed=711, gathered=True)
+    stats = publish(engine, good)
+    assert hotswap_stats(engine)["recycled"] == before["recycled"] + 1
+    assert equals_vllms_own_build(engine, stats.int_id, good)
 
 
 def only_modules(version, suffixes):

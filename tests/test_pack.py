@@ -56,3 +56,36 @@ def test_meta_round_trip():
     again = PackedAdapter.from_meta(packed.meta(), packed.buffer.clone())
     assert again.checksum == packed.checksum
     assert unpack_views(again).keys() == unpack_views(packed).keys()
+
+
+def test_gather_makes_one_buffer_lora_a_first_with_views_that_own_nothing_of_the_source():
+    """`AdapterVersion.gather`: every lora_A tensor, then every lora_B one, laid end to end in
+    one CPU buffer; the views hold the source's values and stay put when the source changes."""
+    state = {
+        "base_model.model.l0.q.lora_A.weight": torch.randn(2, 3),
+        "base_model.model.l0.q.lora_B.weight": torch.randn(4, 2),
+        "base_model.model.l1.q.lora_A.weight": torch.randn(2, 3),
+        "base_model.model.l1.q.lora_B.weight": torch.randn(4, 2),
+    }
+    expected = {k: v.clone() for k, v in state.items()}
+    version = AdapterVersion.gather("a", 3, state, {"r": 2})
+    assert list(version.tensors) == [k for k in state if "lora_A" in k] + [k for k in state if "lora_B" in k]
+    assert version.flat is not None and version.flat.numel() == sum(v.numel() for v in state.values())
+    assert version.nbytes == version.flat.numel() * 4
+    offset = 0
+    for name, view in version.tensors.items():
+        assert view.data_ptr() == version.flat.data_ptr() + offset * 4
+        offset += view.numel()
+        assert torch.equal(view, expected[name])
+    for tensor in state.values():
+        tensor.zero_()
+    assert all(torch.equal(version.tensors[k], expected[k]) for k in state)
+
+
+def test_gather_copies_mixed_dtypes_one_by_one():
+    state = {"x.lora_A.weight": torch.randn(2, 3), "x.lora_B.weight": torch.randn(3, 2).half()}
+    version = AdapterVersion.gather("a", 0, state, {})
+    assert version.flat is None
+    assert {k: v.dtype for k, v in version.tensors.items()} == {k: v.dtype for k, v in state.items()}
+    assert all(torch.equal(version.tensors[k], state[k]) and version.tensors[k].data_ptr() != state[k].data_ptr()
+               for k in state)

@@ -80,7 +80,7 @@ NOTES = (
 
 def lora_async_cmd() -> list[str]:
     exe = REPO / ".venv/bin/lora-async"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "lora_async.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "lora_async"]
 
 
 def run_or_fail(cmd: list[str], log: Path, what: str) -> tuple[float, float]:

@@ -142,8 +142,9 @@ def _prepared(publish: Callable[[AdapterVersion], Any], make: Callable[[int], Ad
 
 def _versions_of(adapter: AdapterVersion, name: str) -> Callable[[int], AdapterVersion]:
     def make(v: int) -> AdapterVersion:
-        return AdapterVersion(name, v, {k: t * (1 + 0.01 * v) for k, t in adapter.tensors.items()},
-                              adapter.peft_config)
+        # as the learner hands a version over: one buffer, every tensor a view (AdapterVersion.gather)
+        return AdapterVersion.gather(name, v, {k: t * (1 + 0.01 * v) for k, t in adapter.tensors.items()},
+                                     adapter.peft_config)
     return make
 
 

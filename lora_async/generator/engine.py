@@ -93,8 +93,8 @@ class VllmGenerator:
         self._commands.put(_Command(lambda: self._add_request(request, on_done),
                                     refuse=lambda status, why: on_done(GenResult.failed(request, status, why))))
 
-    def validate(self, version: AdapterVersion) -> None:
-        self.check(version)
+    def validate(self, version: AdapterVersion, values: bool = True) -> None:
+        self.check(version, values)
 
     def register(self, delivery: Delivery) -> PublishStats:
         """Run `delivery.load` on the engine thread between steps; then new requests use it."""

@@ -87,6 +87,27 @@ class AdapterVersion:
     version: int
     tensors: dict[str, torch.Tensor]
     peft_config: dict = field(default_factory=dict)
+    # The one contiguous CPU buffer `tensors` are views of, laid end to end in their order
+    # (`gather` makes it): a receiver may copy every tensor with one op. None: separate tensors.
+    flat: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def gather(cls, adapter: str, version: int, state: dict[str, torch.Tensor], peft_config: dict) -> "AdapterVersion":
+        """One copy of `state` (any device) into one contiguous CPU buffer, every lora_A tensor
+        first and then every lora_B one (the order vLLM's merged model is filled in), as views.
+        Tensors of mixed dtypes are copied one by one instead."""
+        import torch
+
+        ordered = sorted(state, key=lambda k: "lora_B" in k)  # stable: A's, then B's, each as given
+        dtypes = {t.dtype for t in state.values()}
+        if len(dtypes) != 1:
+            return cls(adapter, version, {k: state[k].detach().to("cpu", copy=True) for k in ordered}, peft_config)
+        flat = torch.empty(sum(state[k].numel() for k in ordered), dtype=dtypes.pop())
+        views = dict(zip(ordered, (piece.view(state[k].shape) for piece, k in
+                                   zip(torch.split(flat, [state[k].numel() for k in ordered]), ordered))))
+        with torch.no_grad():
+            torch._foreach_copy_(list(views.values()), [state[k].detach() for k in ordered])
+        return cls(adapter, version, views, peft_config, flat)
 
     @property
     def name(self) -> str:
@@ -95,6 +116,8 @@ class AdapterVersion:
 
     @property
     def nbytes(self) -> int:
+        if self.flat is not None:
+            return self.flat.numel() * self.flat.element_size()
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
@@ -161,8 +184,9 @@ class Generator(Protocol):
     def submit(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
         """Queue a request; `on_done` runs (on the generator's thread) when it ends, in any way."""
 
-    def validate(self, version: AdapterVersion) -> None:
-        """Refuse a version that cannot be served (AdapterError, RegistryError); counts refusals."""
+    def validate(self, version: AdapterVersion, values: bool = True) -> None:
+        """Refuse a version that cannot be served (AdapterError, RegistryError); counts refusals.
+        `values=False`: the transport checks the values itself, on the copy it makes."""
 
     def register(self, delivery: Delivery) -> PublishStats:
         """Register a delivered version beside the live ones; blocks until requests can name it."""

@@ -60,8 +60,11 @@ def peft_config_dict(config: object) -> dict:
 
 
 def adapter_signature(version: AdapterVersion) -> tuple:
-    """Everything the structural checks look at: names, shapes, dtypes and the peft config."""
-    return (version.adapter, tuple((k, tuple(t.shape), t.dtype) for k, t in version.tensors.items()),
+    """Everything the structural checks look at: names, shapes, dtypes and the peft config.
+    (Built from whole-sequence comprehensions: it runs on every publish, over ~400 tensors.)"""
+    tensors = version.tensors.values()
+    dtypes = (version.flat.dtype,) if version.flat is not None else tuple([t.dtype for t in tensors])
+    return (version.adapter, tuple(version.tensors), tuple([t.shape for t in tensors]), dtypes,
             repr(sorted(version.peft_config.items())))
 
 
@@ -84,7 +87,11 @@ class StructureCheck:
 class VersionCheck:
     """Everything a version must pass before a transport moves it: a name and a structure the
     base model and the engine accept (checked once per structure), finite values, and a version
-    newer than the live ones. Every generator runs this in `validate`; a refusal is counted."""
+    newer than the live ones. Every generator runs this in `validate`; a refusal is counted.
+
+    `values=False` leaves the finite check to the transport, which then runs it on the one
+    contiguous copy it makes anyway (`finite_flat`: one reduction instead of one per tensor);
+    the in-process hot-swap does, in the worker."""
 
     def __init__(self, shapes: BaseShapes, max_rank: int, registry: VersionRegistry, stats: GeneratorStats,
                  lock: threading.Lock | threading.RLock | None = None) -> None:
@@ -92,12 +99,13 @@ class VersionCheck:
         self.registry, self.stats = registry, stats
         self._lock = lock or contextlib.nullcontext()
 
-    def __call__(self, version: AdapterVersion) -> None:
+    def __call__(self, version: AdapterVersion, values: bool = True) -> None:
         try:
             self.structure(version)
             with self._lock:
                 self.registry.check_new(version.adapter, version.version)
-            check_finite_all(version.name, list(version.tensors.values()))
+            if values:
+                check_finite_all(version.name, list(version.tensors.values()))
         except Exception:
             self.stats.add(rejected_versions=1)
             raise
@@ -111,6 +119,16 @@ def check_finite_all(name: str, tensors: list[torch.Tensor]) -> None:
     adapter of absurd magnitude, which is rejected too."""
     if tensors and not bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in tensors])).all()):
         raise AdapterError(f"{name}: tensors contain NaN or Inf")
+
+
+def finite_flat(flat: torch.Tensor) -> bool:
+    """Whether one contiguous buffer of a version's values holds no NaN or Inf: one sum (NaN and
+    Inf propagate; a sum that overflows is an adapter of absurd magnitude, refused too). The sum
+    stays in bfloat16/float32 (it accumulates in float32 inside: ~0.1 ms for the 1.2M values of
+    an r=8 all-linear adapter on the 135M model; a float32 result from bfloat16 costs 4x that);
+    float16 sums in float32, as its range would overflow on legitimate adapters."""
+    total = flat.sum(dtype=torch.float32) if flat.dtype == torch.float16 else flat.sum()
+    return bool(torch.isfinite(total))
 
 
 def validate_adapter(version: AdapterVersion, shapes: BaseShapes, max_rank: int,

@@ -152,14 +152,14 @@ class Learner:
         return self.adapters[adapter].version
 
     def adapter_tensors(self, adapter: str) -> dict[str, torch.Tensor]:
+        return self.adapter_version(adapter).tensors
+
+    def adapter_version(self, adapter: str) -> AdapterVersion:
+        """A CPU copy of the adapter's current weights, in one buffer (`AdapterVersion.gather`)."""
         from peft import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(self.model, adapter_name=adapter)
-        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
-    def adapter_version(self, adapter: str) -> AdapterVersion:
-        return AdapterVersion(adapter, self.version(adapter), self.adapter_tensors(adapter),
-                              self.peft_config(adapter))
+        return AdapterVersion.gather(adapter, self.version(adapter), state, self.peft_config(adapter))
 
     def peft_config(self, adapter: str) -> dict:
         cfg = peft_config_dict(self.peft_configs[adapter])

@@ -8,7 +8,7 @@ sender from the run's `[sync]` config (a union on `transport`).
 
 | transport  | engine                            | what moves                                             |
 |------------|-----------------------------------|--------------------------------------------------------|
-| `inproc`   | in this process                   | owned tensors, handed over by reference                |
+| `inproc`   | in this process                   | tensors by reference; the worker copies them once      |
 | `shm`      | own process, same host            | packed buffer in a POSIX shared-memory segment         |
 | `nccl`     | own process(es), any local device | one broadcast over a dedicated group (`gloo` on CPU): collective.py |
 | `cuda-ipc` | own process, same host's GPUs     | a CUDA IPC handle to the learner's packed buffer       |
@@ -29,6 +29,7 @@ import torch
 
 from ..dtypes import torch_dtype
 from ..generator.types import AdapterVersion, Delivery, PublishStats
+from ..generator.validate import AdapterError
 from .pack import PackedAdapter, TensorMeta, layout, pack
 
 if TYPE_CHECKING:
@@ -58,11 +59,12 @@ Loader = Callable[[Any, int], Any]
 
 
 class InprocTransport:
-    """The engine lives in this process: hand over tensors vLLM may own.
+    """The engine lives in this process: hand the version's tensors over by reference.
 
-    vLLM keeps (and scales in place) the tensors it is given, so it must get copies: tensors in
-    another dtype than the serving one are cast by vLLM into fresh tensors; tensors already in
-    the serving dtype are packed into a fresh buffer first."""
+    The worker borrows them for the length of the registration and makes the one copy vLLM
+    keeps: into a retired version's buffers on the hot-swap path (where it also checks the
+    values, with one reduction over that copy), or a copy in the serving dtype before vLLM's
+    own build (vLLM keeps, and scales in place, the tensors it is given)."""
 
     name = "inproc"
 
@@ -70,21 +72,21 @@ class InprocTransport:
         if generator.spec.separate_process:
             raise TransportError("the engine runs in its own process: in-process tensors cannot reach it "
                                  "(use sync.transport 'shm', 'nccl' or 'cuda-ipc')")
-        self.generator, self.dtype = generator, torch_dtype(generator.spec.dtype)
+        self.generator = generator
 
     def publish(self, version: AdapterVersion) -> PublishStats:
         started = time.perf_counter()
-        self.generator.validate(version)
-        if all(t.dtype != self.dtype for t in version.tensors.values()):
-            tensors, nbytes = version.tensors, version.nbytes
-        else:
-            packed = pack(version, self.dtype)
-            assert packed.views is not None
-            tensors, nbytes = packed.views, packed.nbytes
-        config = version.peft_config
-        return self.generator.register(Delivery(
-            version.adapter, version.version, nbytes, self.name,
-            lambda client, int_id: client.add_tensors(int_id, tensors, config), started))
+        self.generator.validate(version, values=False)  # the worker checks the values on its copy
+        tensors, config, flat = version.tensors, version.peft_config, version.flat
+
+        def load(client: Any, int_id: int) -> None:
+            try:
+                client.add_tensors(int_id, tensors, config, borrowed=True, flat=flat)
+            except AdapterError as exc:
+                raise AdapterError(f"{version.name}: {exc}") from None
+
+        return self.generator.register(Delivery(version.adapter, version.version, version.nbytes, self.name,
+                                                load, started))
 
     def close(self) -> None:
         pass

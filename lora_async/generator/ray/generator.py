@@ -128,8 +128,8 @@ class RayGenerator(ReplicaHealth):
             raise GeneratorDead("generator is closed")
         self._on_loop(self._run(request, on_done))
 
-    def validate(self, version: AdapterVersion) -> None:
-        self.check(version)
+    def validate(self, version: AdapterVersion, values: bool = True) -> None:
+        self.check(version, values)
 
     def register(self, delivery: Delivery) -> PublishStats:
         """`delivery.load(self, int_id)` registers the version on every routable replica

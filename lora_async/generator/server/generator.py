@@ -89,8 +89,8 @@ class ServerGenerator:
         self.stats.add(requests=1)
         self._pool.submit(self._run_request, url, request, live, on_done)
 
-    def validate(self, version: AdapterVersion) -> None:
-        self.check(version)
+    def validate(self, version: AdapterVersion, values: bool = True) -> None:
+        self.check(version, values)
 
     def register(self, delivery: Delivery) -> PublishStats:
         """Load a delivered version on every replica (`delivery.load(client, int_id)`)."""

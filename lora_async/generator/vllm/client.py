@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ...placement import format_cpus
 from ...sync.pack import PackError
 from ..types import GenRequest, GeneratorDead, Sample
+from ..validate import AdapterError
 from . import compat
 from .worker import LoraAsyncWorkerExtension as Worker
 
@@ -120,8 +121,12 @@ class EngineClient:
         return self.engine.get_tokenizer()
 
     # ---------------------------------------------------------------- adapters (worker extension)
-    def add_tensors(self, int_id: int, tensors: dict, peft_config: dict) -> None:
-        self._registered(self._rpc(Worker.lora_async_add_tensors, int_id, tensors, peft_config))
+    def add_tensors(self, int_id: int, tensors: dict, peft_config: dict, borrowed: bool = False,
+                    flat: Any = None) -> None:
+        """`borrowed`: the tensors stay the caller's (an in-process engine); the worker copies
+        them and checks their values on that copy (a refusal raises AdapterError). `flat`: the
+        buffer they are views of, in order (`AdapterVersion.flat`), copied with one op."""
+        self._registered(self._rpc(Worker.lora_async_add_tensors, int_id, tensors, peft_config, borrowed, flat))
 
     def add_shm(self, int_id: int, segment: str, meta: dict) -> None:
         self._registered(self._rpc(Worker.lora_async_add_shm, int_id, segment, meta))
@@ -179,6 +184,9 @@ class EngineClient:
 
     @staticmethod
     def _registered(replies: list[dict]) -> None:
+        invalid = [reply["invalid"] for reply in replies if "invalid" in reply]
+        if invalid:
+            raise AdapterError(invalid[0])
         refused = [reply["rejected"] for reply in replies if "rejected" in reply]
         if refused:
             raise PackError(refused[0])

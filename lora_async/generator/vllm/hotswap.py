@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..validate import finite_flat
 from . import compat
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,9 @@ Loc = tuple[str, int | None, bool]  # (module key in LoRAModel.loras, slice of a
 
 
 def structure_key(tensors: dict[str, torch.Tensor], peft_config: dict) -> tuple:
-    """What must match for one version to be copied into another's LoRAModel."""
-    return (tuple((name, t.shape) for name, t in tensors.items()),
+    """What must match for one version to be copied into another's LoRAModel (whole-sequence
+    comprehensions: it runs on every registration, over ~400 tensors)."""
+    return (tuple(tensors), tuple([t.shape for t in tensors.values()]),
             json.dumps(peft_config, sort_keys=True, default=str))
 
 
@@ -199,6 +201,7 @@ class ModelPlan:
     scale: list[tuple[int, int, float]]  # the same as flat ranges: (start, end, factor)
     packed: dict[str, int | None]  # module key -> slices of a packed module (None: not packed)
     dtype: torch.dtype
+    in_order: bool = False  # `names` is the incoming order: a sender's flat buffer is this plan's layout
     slots: SlotPlan | None = None
 
     @classmethod
@@ -227,7 +230,8 @@ class ModelPlan:
         order += sorted((n for n in staged if n in found and before[n][0]), key=lambda n: before[n][1])
         shapes = [tuple(staged[n].shape) for n in order]
         factors = [before[n][1] for n in order]
-        return cls(order, [found[n] for n in order], shapes, factors, _runs(shapes, factors), packed, dtype)
+        return cls(order, [found[n] for n in order], shapes, factors, _runs(shapes, factors), packed, dtype,
+                   in_order=order == list(staged))
 
     def reproduces(self, tensors: dict[str, torch.Tensor], model: Any) -> bool:
         """This plan's recipe applied to `tensors` gives `model`'s tensors bit for bit."""
@@ -253,14 +257,28 @@ class ModelPlan:
             _put(model, loc, view)
         return Spare(model, flat, views)
 
-    def fill(self, spare: Spare, tensors: dict[str, torch.Tensor], int_id: int) -> Any:
-        """Copy a new version into a spare, as `from_lora_tensors` + `add_adapter` build it."""
+    def fill(self, spare: Spare, tensors: dict[str, torch.Tensor], flat: torch.Tensor | None = None) -> bool:
+        """Copy a new version into a spare, as `from_lora_tensors` + `add_adapter` build it:
+        with one copy when the sender's `flat` buffer (its tensors' backing, in their order)
+        is laid out as this plan (returns True), else tensor by tensor."""
+        one_copy = self.dense_source(tensors, flat, spare.flat.numel())
         with torch.no_grad():
-            torch._foreach_copy_(spare.views, [tensors[name] for name in self.names])  # casts as .to(dtype)
+            if one_copy:
+                assert flat is not None
+                spare.flat.copy_(flat)  # casts as .to(dtype)
+            else:
+                torch._foreach_copy_(spare.views, [tensors[name] for name in self.names])
             for start, end, factor in self.scale:
                 spare.flat[start:end].mul_(factor)  # lora_B *= scaling, as LoRALayerWeights.optimize
-        spare.model.id = int_id
-        return spare.model
+        return one_copy
+
+    def dense_source(self, tensors: dict[str, torch.Tensor], flat: torch.Tensor | None, numel: int) -> bool:
+        """`flat` holds `tensors` end to end in this plan's order (checked at both ends)."""
+        if flat is None or not self.in_order or flat.dim() != 1 or flat.numel() != numel or not flat.is_contiguous():
+            return False
+        first, last = tensors[self.names[0]], tensors[self.names[-1]]
+        return (first.data_ptr() == flat.data_ptr() and last.is_contiguous()
+                and last.data_ptr() + last.numel() * last.element_size() == flat.data_ptr() + numel * flat.element_size())
 
 
 
@@ -280,6 +298,10 @@ def _runs(shapes: list[tuple[int, ...]], factors: list[float]) -> list[tuple[int
     return ranges
 
 
+class InvalidValues(ValueError):
+    """Borrowed tensors with NaN or Inf: the version is refused, nothing is registered."""
+
+
 class HotSwap:
     """One worker's registrations: learned plans by structure, spare models, live ids."""
 
@@ -288,10 +310,16 @@ class HotSwap:
         self.spares: dict[tuple, list[Spare]] = {}
         self.live: dict[int, tuple[tuple, Spare | None]] = {}  # registered here: structure, spare it reuses
         self.seen: set[int] = set()
-        self.stats = {"built": 0, "recycled": 0, "fast_activated": 0, "vllm_activated": 0}
+        self.stats = {"built": 0, "recycled": 0, "one_copy": 0, "fast_activated": 0, "vllm_activated": 0}
 
-    def add(self, manager: Any, int_id: int, tensors: dict, peft_config: dict) -> None:
-        """Register `int_id`: recycled when a plan and a spare exist, else built by vLLM's path."""
+    def add(self, manager: Any, int_id: int, tensors: dict, peft_config: dict, borrowed: bool = False,
+            flat: torch.Tensor | None = None) -> None:
+        """Register `int_id`: recycled when a plan and a spare exist, else built by vLLM's path.
+
+        `borrowed`: the tensors stay the sender's (in-process): they are copied before anything
+        keeps them, and their values are checked on that copy (`InvalidValues`). `flat`: the
+        buffer they are views of, in order (`AdapterVersion.flat`): one copy instead of one per
+        tensor when it matches the plan's layout."""
         cache = manager._adapter_manager
         if int_id in self.seen or int_id in cache.list_adapters():
             raise ValueError(f"LoRA id {int_id} was registered before; ids are never reused")
@@ -304,11 +332,19 @@ class HotSwap:
         spare = self.spares[key].pop() if plan is not None and self.spares.get(key) else None
         if spare is not None:
             assert plan is not None
-            model = plan.fill(spare, tensors, int_id)
+            self.stats["one_copy"] += plan.fill(spare, tensors, flat)
+            if borrowed and not finite_flat(spare.flat):
+                self.spares[key].append(spare)  # unregistered: its next fill overwrites it
+                raise InvalidValues("tensors contain NaN or Inf")
+            model = spare.model
+            model.id = int_id
             cache.add_adapter(model)
             self.stats["recycled"] += 1
         else:
-            model = self._build(manager, key, int_id, tensors, peft_config)
+            sources = [flat] if flat is not None else tensors.values()
+            if borrowed and not all(finite_flat(t) for t in sources):
+                raise InvalidValues("tensors contain NaN or Inf")
+            model = self._build(manager, key, int_id, tensors, peft_config, borrowed)
             self.stats["built"] += 1
         self.live[int_id] = (key, spare)
         self._activate(cache, self.plans.get(key), model, spare)
@@ -325,9 +361,13 @@ class HotSwap:
                 spares.append(spare if spare is not None else plan.spare(model))
         return removed
 
-    def _build(self, manager: Any, key: tuple, int_id: int, tensors: dict, peft_config: dict) -> Any:
+    def _build(self, manager: Any, key: tuple, int_id: int, tensors: dict, peft_config: dict,
+               borrowed: bool = False) -> Any:
         cache = manager._adapter_manager
         if key in self.plans:  # known: recyclable but no spare yet, or never recyclable
+            if borrowed:  # vLLM keeps (and scales in place) tensors already in its dtype
+                dtype = manager.lora_config.lora_dtype
+                tensors = {n: t.to(device="cpu", dtype=dtype, copy=True) for n, t in tensors.items()}
             model = build_lora_model(manager, int_id, tensors, peft_config)
             cache.add_adapter(model)
             return model

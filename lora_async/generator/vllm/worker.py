@@ -12,7 +12,8 @@ and activated into a free slot directly (`hotswap.py`).
 
 Replies are plain data, because vLLM's RPC keeps only the text of a worker's exception: a
 transfer the worker refuses (checksum, truncation) comes back as `{"rejected": why}` and the
-client raises `PackError` from it; success is `{"registered": n}`.
+client raises `PackError` from it; values it refuses (NaN, Inf: checked here for borrowed
+tensors) as `{"invalid": why}`, raised as `AdapterError`; success is `{"registered": n}`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...sync.pack import PackError
-from .hotswap import HotSwap
+from .hotswap import HotSwap, InvalidValues
 
 
 class LoraAsyncWorkerExtension:
@@ -46,14 +47,20 @@ class LoraAsyncWorkerExtension:
             return {"rejected": str(exc)}
         return self.lora_async_add_tensors(int_id, tensors, peft_config)
 
-    def lora_async_add_tensors(self, int_id: int, tensors: dict, peft_config: dict) -> dict:
-        """Register adapter `int_id` from tensors the caller no longer touches (owned copies).
+    def lora_async_add_tensors(self, int_id: int, tensors: dict, peft_config: dict, borrowed: bool = False,
+                               flat: Any = None) -> dict:
+        """Register adapter `int_id` from tensors: owned copies the caller no longer touches, or
+        (`borrowed`, an in-process sender) the sender's own, copied here and value-checked;
+        `flat`: the one buffer they are views of, in order (copied with one op when it can).
 
         Never evicts: the caller sizes the cache and retires versions itself, so a live version
         is never lazily reloaded from its (fake) path. An id registered here before is refused,
         even after its removal (vLLM keys caches by id)."""
         manager = self._lora_async_manager()
-        self._lora_async_swap().add(manager, int_id, tensors, peft_config)
+        try:
+            self._lora_async_swap().add(manager, int_id, tensors, peft_config, borrowed, flat)
+        except InvalidValues as exc:
+            return {"invalid": str(exc)}
         return {"registered": len(manager._adapter_manager)}
 
     def lora_async_add_shm(self, int_id: int, segment: str, meta: dict) -> dict:
