@@ -89,3 +89,13 @@ def test_gather_copies_mixed_dtypes_one_by_one():
     assert {k: v.dtype for k, v in version.tensors.items()} == {k: v.dtype for k, v in state.items()}
     assert all(torch.equal(version.tensors[k], state[k]) and version.tensors[k].data_ptr() != state[k].data_ptr()
                for k in state)
+
+
+def test_the_sync_benchmarks_plain_copy_row_copies_every_byte(tiny_model):
+    """`bench sync`'s torch-copy row (the floor the hot-swap is compared with) copies a whole
+    version as the learner hands it over, in the engine's dtype."""
+    from lora_async.bench.sync import run_sync_bench
+
+    [row] = run_sync_bench(str(tiny_model), [8], 3, ("torch-copy",), cpus=None)
+    assert row["transport"] == "torch-copy" and row["measured"] and row["versions"] == 3
+    assert row["bytes"] > 0 and row["p50_ms"] > 0

@@ -227,8 +227,9 @@ def _torch_copy(adapter: AdapterVersion, rank: int, versions: int, cpus: str | N
 
     def run() -> None:
         pin_current_thread(Placement("cpu", parse_cpus(cpus) if cpus else None))
-        dst = [torch.empty_like(t, dtype=torch_dtype(dtype)) for t in adapter.tensors.values()]
-        torch._foreach_copy_(dst, list(make(0).tensors.values()))  # warm up (first touch of dst)
+        first = list(make(0).tensors.values())  # the order the learner hands tensors over in
+        dst = [torch.empty_like(t, dtype=torch_dtype(dtype)) for t in first]
+        torch._foreach_copy_(dst, first)  # warm up (first touch of dst)
         times = []
         for v in range(1, versions + 1):
             src = list(make(v).tensors.values())  # the learner's new tensors: made before the clock
