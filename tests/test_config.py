@@ -94,6 +94,7 @@ def test_eval_max_tokens_falls_back_to_sampling():
      "sync.transport: unknown 'carrier-pigeon' (use 'inproc', 'shm', 'nccl', 'cuda-ipc', 'http' or 'ray')"),
     ("[sync]\ncheckum = true\n", "sync.transport: required (one of 'inproc', 'shm'"),
     ("[run]\nlog_interval_s = -1\n", "run.log_interval_s"),
+    ("[generator]\nmax_batched_tokens = 100\n", "generator.max_batched_tokens"),
 ])
 def test_config_errors_name_the_field(tmp_path, text, field):
     with pytest.raises(ConfigError) as err:

@@ -26,7 +26,8 @@ def fleet_config(tiny_model, max_staleness=1):
     from lora_async.config import TrainConfig
 
     return TrainConfig.model_validate({
-        "model": {"name": str(tiny_model)}, "generator": {"kv_cache_gb": 0.25, "max_model_len": 512},
+        "model": {"name": str(tiny_model)},
+        "generator": {"kv_cache_gb": 0.25, "max_model_len": 512, "max_batched_tokens": 384},
         "buffer": {"max_staleness": max_staleness},
         "adapters": [{"name": name, "task": {"type": "arithmetic"}} for name in ("a", "b", "c")]})
 
@@ -56,6 +57,12 @@ def test_lora_slots_are_sized_from_the_config(engine, tiny_model):
 
     wider = EngineSpec.from_config(fleet_config(tiny_model, max_staleness=2), tiny_model, "cpu")
     assert (wider.max_loras, wider.max_cpu_loras) == (3 * 3 + 1, 3 * 3 + 1 + 3)
+
+
+def test_engine_steps_schedule_at_most_generator_max_batched_tokens(engine):
+    """`generator.max_batched_tokens` reaches vLLM's scheduler (the engine here has 384)."""
+    limit = engine.run_in_engine(lambda client: client.engine.vllm_config.scheduler_config.max_num_batched_tokens)
+    assert limit == 384
 
 GREEDY = dict(temperature=0.0, n=1)
 

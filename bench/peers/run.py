@@ -64,6 +64,8 @@ VARIANTS = MappingProxyType({
     "async-decoupled": ("lora-async", ("buffer.max_staleness=1", 'loss.type="decoupled"')),
     "async-stale2": ("lora-async", ("buffer.max_staleness=2",)),
     "async-shared": ("lora-async", ("buffer.max_staleness=1", 'generator.cpus="0-1"', 'learner.cpus="0-1"')),
+    "async-nofilter-b256": ("lora-async", ("buffer.max_staleness=1", "learner.skip_flat_groups=false",
+                                           "generator.max_batched_tokens=256")),
 })
 NOTES = (
     "Every figure in seconds is on the system's training clock unless it says launch or startup.",

@@ -54,6 +54,12 @@ class EngineSettings(GeneratorBase):
     fast_cpu_lora: bool = Field(
         True, description="Use lora-async's grouped CPU LoRA kernels instead of vLLM's per-token gather."
     )
+    max_batched_tokens: int | None = Field(
+        None, ge=256, le=1_048_576,
+        description="Tokens one engine step may schedule (vLLM's max_num_batched_tokens; None = vLLM's "
+                    "default, 2048 here). Smaller steps let a new version register sooner (it waits for the "
+                    "step in flight) at a little throughput; at least 256 (vLLM's max_num_seqs).",
+    )
     block_size: int | None = Field(
         None, ge=16, le=1024, multiple_of=16,
         description="KV-cache block in tokens (None = vLLM's default: 128 on CPU). Multi-turn episodes "

@@ -30,6 +30,7 @@ class EngineSpec:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     separate_process: bool = False  # the engine core (and its worker) in a child process
     block_size: int | None = None  # KV-cache block (tokens); None = vLLM's default for the device
+    max_batched_tokens: int | None = None  # tokens per engine step; None = vLLM's default
     quantization: str = "none"  # "bitsandbytes": vLLM quantises the base as it loads it
 
     @classmethod
@@ -51,7 +52,7 @@ class EngineSpec:
             max_model_len=gen.max_model_len, seed=config.run.seed, fast_cpu_lora=gen.fast_cpu_lora,
             engine_log=config.run.engine_log,
             separate_process=gen.engine_process == "separate" if separate_process is None else separate_process,
-            block_size=gen.block_size, quantization=gen.quantization,
+            block_size=gen.block_size, max_batched_tokens=gen.max_batched_tokens, quantization=gen.quantization,
         )
 
     @property

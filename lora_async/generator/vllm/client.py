@@ -69,6 +69,7 @@ class EngineClient:
             worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs", disable_log_stats=True,
             use_tqdm_on_load=spec.engine_log,  # "Loading safetensors checkpoint shards" only when asked
             **({"block_size": spec.block_size} if spec.block_size else {}),
+            **({"max_num_batched_tokens": spec.max_batched_tokens} if spec.max_batched_tokens else {}),
             **({"quantization": spec.quantization} if spec.quantization != "none" else {}),
         )
         engine = LLMEngine.from_engine_args(args, enable_multiprocessing=spec.separate_process)

@@ -39,6 +39,7 @@ REQUIRED_MANAGER_ATTRS = ("_adapter_manager", "lora_config", "vocab_size", "max_
 REQUIRED_CLIENT_ATTRS = ("outputs_queue", "utility_results", "resources")
 ENGINE_ARGS = ("model", "dtype", "seed", "max_model_len", "max_num_seqs", "enable_lora", "max_loras",
                "max_cpu_loras", "max_lora_rank", "gpu_memory_utilization", "kv_cache_memory_bytes", "block_size",
+               "max_num_batched_tokens",
                "worker_extension_cls", "logprobs_mode", "disable_log_stats", "use_tqdm_on_load")
 # LoRA layers whose activation hotswap.py reproduces (exact classes: a subclass may override
 # set_lora), with the methods they must resolve to; and the layers it only ever zeroes (lora-async
