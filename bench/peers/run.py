@@ -59,6 +59,8 @@ VARIANTS = MappingProxyType({
     "trl-no-checkpointing": ("trl", (), ("gradient_checkpointing=false",)),
     "async-nofilter": ("lora-async", ("buffer.max_staleness=1", "learner.skip_flat_groups=false")),
     "sync-nofilter": ("lora-async", ("buffer.max_staleness=0", "learner.skip_flat_groups=false")),
+    "async-filter": ("lora-async", ("buffer.max_staleness=1", "learner.skip_flat_groups=true")),
+    "sync-filter": ("lora-async", ("buffer.max_staleness=0", "learner.skip_flat_groups=true")),
     "async-ppo-clip": ("lora-async", ("buffer.max_staleness=1", 'loss.type="ppo-clip"')),
     "async-tis": ("lora-async", ("buffer.max_staleness=1", 'loss.type="tis"')),
     "async-decoupled": ("lora-async", ("buffer.max_staleness=1", 'loss.type="decoupled"')),
