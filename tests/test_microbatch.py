@@ -98,4 +98,6 @@ def test_packed_prompt_tree_logprobs_equal_an_unpacked_forward(tiny_model):
             start = len(s.prompt_ids) - 1
             want = (logits.float() / temperature).log_softmax(-1)[start:-1].gather(
                 1, torch.tensor(s.completion_ids)[:, None]).squeeze(1)
-            torch.testing.assert_close(torch.tensor(got), want, rtol=0, atol=1e-5)
+            # fp32 logprobs of ~-18 differ by a few ulps when packing reorders the sums (1.1e-5
+            # seen); a wrong position, mask or prompt shows as differences of order 1
+            torch.testing.assert_close(torch.tensor(got), want, rtol=2e-6, atol=1e-5)
