@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lora_async.generator.types import AdapterVersion  # noqa: E402
 from lora_async.sync.pack import layout, pack  # noqa: E402
-from lora_async.sync.receive import CollectiveReceiver, broadcast, make_group, make_store, receive_ipc  # noqa: E402
+from lora_async.process_groups import broadcast, make_group, make_store  # noqa: E402
+from lora_async.sync.receive import CollectiveReceiver, receive_ipc  # noqa: E402
 
 HIDDEN, INTER, LAYERS, RANK, REPS = 576, 1536, 30, 8, 20
 SHAPES = {"q_proj": (HIDDEN, HIDDEN), "k_proj": (192, HIDDEN), "v_proj": (192, HIDDEN), "o_proj": (HIDDEN, HIDDEN),

@@ -11,15 +11,18 @@ intact. Resume continues version numbering and the task stream where they stoppe
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .files import replaced_dir, write_text_atomic
+
+if TYPE_CHECKING:
+    from .learner.api import LearnerAPI
 
 KEEP = 2  # checkpoints kept on disk (the newest and one before it)
 
@@ -33,23 +36,12 @@ class RunState:
     counters: dict[str, dict[str, Any]]  # per adapter
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def save_checkpoint(out_dir: Path, state: RunState, learner: Any) -> Path:
+def save_checkpoint(out_dir: Path, state: RunState, learner: "LearnerAPI") -> Path:
     from safetensors.torch import save_file
 
     root = out_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step-{state.step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
-    try:
+    with replaced_dir(root / name) as tmp:
         versions = {}
         for adapter in learner.adapters:
             save_file(learner.adapter_tensors(adapter), str(tmp / f"{adapter}.safetensors"))
@@ -68,17 +60,10 @@ def save_checkpoint(out_dir: Path, state: RunState, learner: Any) -> Path:
             },
         }
         (tmp / "state.json").write_text(json.dumps(payload))
-        final = root / name
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _atomic_write_text(root / "LATEST", name)
+    write_text_atomic(root / "LATEST", name)
     for old in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
+    return root / name
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -89,7 +74,7 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return path if (path / "state.json").is_file() else None
 
 
-def load_checkpoint(path: Path, learner: Any) -> RunState:
+def load_checkpoint(path: Path, learner: "LearnerAPI") -> RunState:
     """Restore learner adapters/optimizers/versions and the RNG; return the run counters."""
     from safetensors.torch import load_file
 

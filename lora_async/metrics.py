@@ -122,12 +122,7 @@ def step_row(run: "Run", adapter: "AdapterRun", groups: list["Group"], stats: "S
 def replica_figures(run: "Run") -> dict[str, Any]:
     """A generator with replicas (Ray): the run's totals so far, per replica where it says so.
     Empty for one engine."""
-    stats = run.generator.stats
-    if getattr(stats, "replica_tokens", None) is None:
-        return {}
-    return {"replica_tokens": list(stats.replica_tokens), "replica_requests": list(stats.replica_requests),
-            "replicas_routable": stats.replicas_routable, "replica_restarts": stats.replica_restarts,
-            "groups_resubmitted": stats.groups_resubmitted, "groups_lost": stats.groups_lost}
+    return run.generator.stats.replica_figures()
 
 
 def engine_running_mean(run: "Run", marks: dict[str, float]) -> float | None:

@@ -51,7 +51,7 @@ def check_ray(config: "TrainConfig") -> None:
 
 
 def check_learner_quantization(config: "TrainConfig", rank0: "Placement") -> None:
-    from .learner.base import QuantizationError, check_quantization
+    from .learner.frozen_base import QuantizationError, check_quantization
 
     try:
         check_quantization(config.model.quantization, rank0.device)

@@ -99,7 +99,9 @@ class FakeGenerator:
         finish = ["length" if len(t) == pending.request.max_tokens else "stop" for t in texts]
         samples = [Sample(list(t.encode()), [-1.0] * len(t), f) for t, f in zip(texts, finish)]
         self.served.extend((list(pending.request.prompt_ids), pending.version, s.token_ids, "ok") for s in samples)
-        self.stats.add(requests=1, tokens=sum(len(s.token_ids) for s in samples), busy_s=0.001)
+        self.stats.request_started()
+        self.stats.tokens_drawn(sum(len(s.token_ids) for s in samples))
+        self.stats.engine_busy(0.001)
         pending.on_done(GenResult(pending.request, pending.request.adapter, pending.version, samples))
 
     def validate(self, version: AdapterVersion) -> None:

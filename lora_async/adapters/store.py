@@ -12,14 +12,13 @@ Every directory is written to a temporary sibling and renamed into place, so a r
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..files import replaced_dir
 
 VERSION_DIR_RE = re.compile(r"^v(\d+)$")
 
@@ -29,27 +28,13 @@ def save_peft_dir(path: Path, tensors: dict[str, torch.Tensor], peft_config: dic
     """Atomically write a PEFT adapter directory (replacing any previous one)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with replaced_dir(path) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
                   str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, default=str))
         if info is not None:
             (tmp / "lora_async.json").write_text(json.dumps(info, indent=2))
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return Path(path)
 
 
 def load_peft_dir(path: Path) -> tuple[dict[str, torch.Tensor], dict]:

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from ..staleness import StalenessWindow
+
 ADAPTER_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 CPU_LIST_RE = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 
@@ -150,6 +152,11 @@ class BufferConfig(Section):
         True, description="Episodes: a turn a learner step makes too stale is stopped and continued on the newest "
                           "version (false: aborted and its group dropped).",
     )
+
+    @property
+    def window(self) -> StalenessWindow:
+        """The one staleness rule every part of a run asks (`lora_async.staleness`)."""
+        return StalenessWindow(self.max_staleness)
 
 
 class LossConfig(Section):

@@ -8,6 +8,6 @@
     builtin/     environments that ship with lora-async (calculator, guess)
 """
 
-from .base import Env, Message, Reply, StepResult, ToolCall, ToolResult, system, user
+from .api import Env, Message, Reply, StepResult, ToolCall, ToolResult, system, user
 
 __all__ = ["Env", "Message", "Reply", "StepResult", "ToolCall", "ToolResult", "system", "user"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from ..generator.types import GenRequest, GenResult, GenStatus
-from .base import Message, Reply, StepResult, ToolResult
+from .api import Message, Reply, StepResult, ToolResult
 from .render import ChatRenderer
 from .tools import ToolBox, parse_tool_calls, strip_tool_calls
 

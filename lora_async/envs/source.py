@@ -17,9 +17,9 @@ from typing import Any, Awaitable, Callable
 
 from ..config import EnvTask
 from ..generator.types import GenRequest, GenResult
-from ..tasks.base import RewardStats
+from ..tasks.problems import RewardStats
 from ..tasks.rewards import RewardFailed
-from .base import Split, check_env
+from .api import Split, check_env
 from .episode import Episode, EpisodeError, EpisodeSettings, Trajectory, guarded
 from .render import ChatRenderer
 from .tools import ToolBox, ToolError, tool_schemas

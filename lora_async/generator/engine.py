@@ -172,7 +172,7 @@ class VllmGenerator:
                 if self._engine.busy():
                     began = time.perf_counter()
                     reports = self._engine.step()
-                    self.stats.add(busy_s=time.perf_counter() - began, steps=1, running=len(self._pending))
+                    self.stats.engine_busy(time.perf_counter() - began, steps=1, running=len(self._pending))
                     for request_id, samples, finished in reports:
                         self._progress(request_id, samples, finished)
         except BaseException as exc:
@@ -239,7 +239,7 @@ class VllmGenerator:
         try:
             delivery.load(self._engine, int_id)
         except Exception:
-            self.stats.add(rejected_versions=1)
+            self.stats.version_rejected()
             raise
         live = registry.add(delivery.adapter, delivery.version, int_id)
         live.path = delivery.path
@@ -271,7 +271,7 @@ class VllmGenerator:
     def _abort(self, request_ids: list[str], status: GenStatus, reason: str) -> None:
         if request_ids:
             self._engine.abort(request_ids)
-            self.stats.add(aborted=len(request_ids))
+            self.stats.requests_aborted(len(request_ids))
         for request_id in request_ids:
             pending = self._pending.get(request_id)
             if pending is not None and pending.request.keep_partial and status is GenStatus.ABORTED_STALE:
@@ -294,7 +294,7 @@ class VllmGenerator:
                 lora = LoraRef(live.vllm_name, live.int_id, live.path or f"lora-async://{live.vllm_name}")
             self._pending[request_id] = _Pending(request, on_done, live)
             self._engine.add_request(request_id, request, lora)
-            self.stats.add(requests=1)
+            self.stats.request_started()
         except Exception as exc:
             if live is not None:
                 self.registry.release(live)
@@ -319,7 +319,7 @@ class VllmGenerator:
         live = pending.live
         if live is not None and self.registry.release(live) and self._dead is None:
             self._retire(live)
-        self.stats.add(tokens=sum(len(s.token_ids) for s in samples))
+        self.stats.tokens_drawn(sum(len(s.token_ids) for s in samples))
         hand_back(pending.on_done, GenResult(pending.request, pending.request.adapter,
                                              live.version if live else None, samples, status, error))
 

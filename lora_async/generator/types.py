@@ -154,7 +154,8 @@ class PublishStats:
 
 
 class GeneratorStats:
-    """What every generator counts; updated from several threads, so under a lock."""
+    """What every generator counts; updated from several threads, so under a lock. Each counter
+    has its own method (a replica-fleet's extra counters: `ray.health.RayStats`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -162,14 +163,36 @@ class GeneratorStats:
         self.aborted = 0
         self.tokens = 0
         self.busy_s = 0.0  # time the engine spent generating
-        self.steps = 0  # engine steps (the in-process engine only)
-        self.running = 0  # requests in flight, summed over engine steps (mean batch = running / steps)
+        self.steps = 0.0  # engine steps (an in-process engine, or replicas' averaged)
+        self.running = 0.0  # requests in flight, summed over engine steps (mean batch = running / steps)
         self.rejected_versions = 0
 
-    def add(self, **deltas: float) -> None:
+    def request_started(self) -> None:
         with self._lock:
-            for key, value in deltas.items():
-                setattr(self, key, getattr(self, key) + value)
+            self.requests += 1
+
+    def tokens_drawn(self, tokens: int) -> None:
+        with self._lock:
+            self.tokens += tokens
+
+    def requests_aborted(self, count: int) -> None:
+        with self._lock:
+            self.aborted += count
+
+    def engine_busy(self, seconds: float, steps: float = 0.0, running: float = 0.0) -> None:
+        """`seconds` of generating, over `steps` engine steps with `running` requests summed over them."""
+        with self._lock:
+            self.busy_s += seconds
+            self.steps += steps
+            self.running += running
+
+    def version_rejected(self) -> None:
+        with self._lock:
+            self.rejected_versions += 1
+
+    def replica_figures(self) -> dict[str, Any]:
+        """A generator with replicas: its per-replica totals for the metrics; empty for one engine."""
+        return {}
 
 
 class Generator(Protocol):

@@ -107,7 +107,7 @@ class VersionCheck:
             if values:
                 check_finite_all(version.name, list(version.tensors.values()))
         except Exception:
-            self.stats.add(rejected_versions=1)
+            self.stats.version_rejected()
             raise
 
 

@@ -42,8 +42,8 @@ from ..buffer import TrainSample
 from ..config import LearnerConfig, LoraConfig, LossConfig
 from ..generator.types import AdapterVersion
 from ..placement import Placement
-from ..sync.receive import make_store
-from . import Accumulated, StepStats, step_stats
+from ..process_groups import make_store
+from .learner import Accumulated, StepStats, step_stats
 from .packing import plan_step, unit_tokens
 from .ranks import HOST, LearnerArgs, Rendezvous, all_reduce_step, broadcast_weights, dumps, loads, rank_main
 

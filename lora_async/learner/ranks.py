@@ -20,8 +20,8 @@ import torch
 from ..buffer import TrainSample
 from ..config import LearnerConfig, LoraConfig, LossConfig
 from ..placement import Placement, pin_current_thread
-from ..sync.receive import broadcast, make_group, make_store
-from . import Learner, Update
+from ..process_groups import broadcast, make_group, make_store
+from .learner import Learner, Update
 
 HOST = "127.0.0.1"  # every rank runs on this machine
 

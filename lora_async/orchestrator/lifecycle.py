@@ -27,7 +27,8 @@ from ..placement import Placement, pin_current_thread
 from ..sync.transports import Transport
 from ..tasks import make_task
 from .periodic import checkpoint, evaluate_all, save_adapter
-from .state import AdapterRun, Counters, LearnerAPI, Run, TrainingError
+from ..learner.api import LearnerAPI
+from .state import AdapterRun, Counters, Run, TrainingError
 
 
 class Parts(Protocol):

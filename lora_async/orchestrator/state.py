@@ -17,17 +17,17 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 from rich.console import Console
 
 from ..buffer import Group, RolloutBuffer, TrainSample
-from ..generator.types import AdapterVersion, GenRequest, GenResult, Generator, generate_async
+from ..generator.types import GenRequest, GenResult, Generator, generate_async
+from ..learner.api import LearnerAPI
 
 if TYPE_CHECKING:
     from ..adapters import AdapterStore
     from ..config import AdapterSpec, TrainConfig
-    from ..learner import StepStats
     from ..metrics import MetricsWriter
     from ..sync.transports import Transport
     from ..tasks import Task
@@ -44,22 +44,6 @@ class Phase(enum.Enum):
     DONE = "done"
     REQUESTED = "requested"
     FAILED = "failed"
-
-
-class LearnerAPI(Protocol):
-    """What the orchestrator needs of a learner (`learner.Learner`, or a test's fake)."""
-
-    adapters: dict[str, Any]
-
-    def version(self, adapter: str) -> int: ...
-    def adapter_version(self, adapter: str) -> AdapterVersion: ...
-    def adapter_tensors(self, adapter: str) -> dict[str, Any]: ...
-    def peft_config(self, adapter: str) -> dict: ...
-    def fits(self, samples: list[TrainSample]) -> bool: ...
-    def train_step(self, adapter: str, samples: list[TrainSample]) -> "StepStats": ...
-    def snapshot_logprobs(self, version: AdapterVersion, samples: list[TrainSample]) -> list[list[float]]: ...
-    def close(self) -> None:
-        """Called once on the learner thread at the end of a run (a data-parallel learner ends its ranks)."""
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .pack import PackedAdapter
-from .receive import broadcast, make_group, make_store
+from ..process_groups import broadcast, make_group, make_store
 from .transports import Loader, PackingTransport, TransportError
 
 if TYPE_CHECKING:

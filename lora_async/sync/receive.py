@@ -8,15 +8,12 @@ these; the GPU transport check (`bench/gpu_transport_check.py`) calls them witho
 from __future__ import annotations
 
 import pickle
-from datetime import timedelta
 from typing import Any
 
 import torch
 
+from ..process_groups import broadcast, make_group, make_store
 from .pack import PackedAdapter, PackError, unpack_views
-
-GROUP_PREFIX = "lora-async-sync"
-
 
 def _owned(meta: dict, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     """Views into `buffer` (which must already be the receiver's own copy), checked."""
@@ -95,35 +92,3 @@ class CollectiveReceiver:
         if buffer.device.type != "cpu":
             buffer = buffer.cpu()  # vLLM builds LoRA models on the CPU, then activates them
         return _owned(meta, buffer)
-
-
-def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> Any:
-    """The rendezvous store of a dedicated group. The sender is the master and may pass port 0
-    (the store then binds a free port: `store.port`); it does not wait for the others here."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(host, port, world_size, is_master=is_master, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
-
-
-def make_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
-    """A process group of its own (not torch's default group, which vLLM's workers use)."""
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(GROUP_PREFIX, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    raise ValueError(f"unknown process-group backend {backend!r}")
-
-
-def broadcast(group: Any, buffer: torch.Tensor) -> None:
-    import torch.distributed as dist
-
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([buffer], options).wait()

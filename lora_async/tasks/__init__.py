@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Union
 
 from ..config import ArithmeticTask, EnvTask, JsonlTask
-from .base import Problem, RewardStats, Task, render_prompt
+from .problems import Problem, RewardStats, Task, render_prompt
 from .rewards import RewardError
 
 __all__ = ["Problem", "RewardStats", "Task", "make_task", "render_prompt", "RewardError"]

@@ -11,7 +11,7 @@ import hashlib
 import random
 
 from ..config import ArithmeticTask
-from .base import Problem, RewardStats
+from .problems import Problem, RewardStats
 from .rewards import numeric_reward
 
 HELDOUT_PERCENT = 30  # share of the problem space kept for evaluation

@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 from ..config import JsonlTask
-from .base import Problem, RewardStats
+from .problems import Problem, RewardStats
 from .rewards import RewardError, make_reward, safe_rewards
 
 # What a reward gets besides the record's fields; a record field of one of these names is dropped.

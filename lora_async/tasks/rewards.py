@@ -14,7 +14,7 @@ import re
 from typing import Any, Callable, Protocol, Sequence
 
 from ..guarded import GuardedError, GuardedFunction
-from .base import Problem, RewardStats
+from .problems import Problem, RewardStats
 
 NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
 

@@ -21,7 +21,7 @@ import hashlib
 import operator
 import random
 
-from ..base import Env, Message, Reply, StepResult, user
+from ..api import Env, Message, Reply, StepResult, user
 
 LOW, HIGH = 10, 99  # operands: two digits
 HELDOUT_PERCENT = 30

@@ -142,7 +142,7 @@ class RayGenerator(ReplicaHealth):
         try:
             waited = delivery.load(self, int_id)  # add_object: the longest wait for a replica's engine step
         except Exception:
-            self.stats.add(rejected_versions=1)
+            self.stats.version_rejected()
             raise
         with self._lock:
             live = self.registry.add(delivery.adapter, delivery.version, int_id)
@@ -248,8 +248,8 @@ class RayGenerator(ReplicaHealth):
             cost = len(request.prompt_ids) + request.n * request.max_tokens
             replica.outstanding += cost
             replica.in_flight += 1
-            self.stats.add(requests=1)
-            self.stats.bump("replica_requests", replica.index, 1)
+            self.stats.request_started()
+            self.stats.replica_request(replica.index)
             failure: BaseException | None = None
             try:
                 result: GenResult = await replica.actor.generate.remote(pinned)
@@ -264,18 +264,18 @@ class RayGenerator(ReplicaHealth):
             if failure is None:
                 result.request = request
                 tokens = sum(len(s.token_ids) for s in result.samples)
-                self.stats.add(tokens=tokens)
-                self.stats.bump("replica_tokens", replica.index, tokens)
+                self.stats.tokens_drawn(tokens)
+                self.stats.replica_tokens_drawn(replica.index, tokens)
                 hand_back(on_done, result)
                 return
             self._mark_down(replica, failure)
             if resubmits >= MAX_RESUBMITS or self._closed:
-                self.stats.add(groups_lost=1)
+                self.stats.request_lost()
                 hand_back(on_done, GenResult.failed(request, GenStatus.FAILED,
                                                     f"lost: its replica died {resubmits + 1} times ({failure})"))
                 return
             resubmits += 1
-            self.stats.add(groups_resubmitted=1)
+            self.stats.request_resubmitted()
 
     async def _route(self, request: GenRequest) -> ReplicaState | None:
         """The replica for `request`, waiting while none is routable; None once dead or closed."""

@@ -41,9 +41,31 @@ class RayStats(GeneratorStats):
         self.replica_tokens = [0] * replicas
         self.replicas_routable = 0
 
-    def bump(self, field_name: str, index: int, amount: int) -> None:
+    def replica_request(self, index: int) -> None:
         with self._lock:
-            getattr(self, field_name)[index] += amount
+            self.replica_requests[index] += 1
+
+    def replica_tokens_drawn(self, index: int, tokens: int) -> None:
+        with self._lock:
+            self.replica_tokens[index] += tokens
+
+    def request_resubmitted(self) -> None:
+        with self._lock:
+            self.groups_resubmitted += 1
+
+    def request_lost(self) -> None:
+        with self._lock:
+            self.groups_lost += 1
+
+    def replica_restarted(self) -> None:
+        with self._lock:
+            self.replica_restarts += 1
+
+    def replica_figures(self) -> dict[str, Any]:
+        with self._lock:
+            return {"replica_tokens": list(self.replica_tokens), "replica_requests": list(self.replica_requests),
+                    "replicas_routable": self.replicas_routable, "replica_restarts": self.replica_restarts,
+                    "groups_resubmitted": self.groups_resubmitted, "groups_lost": self.groups_lost}
 
 
 @dataclass
@@ -144,7 +166,7 @@ class ReplicaHealth:
 
     async def _restarted(self, replica: ReplicaState) -> None:
         replica.routable = False
-        self.stats.add(replica_restarts=1)
+        self.stats.replica_restarted()
         log.warning("replica %d was restarted by Ray; starting its engine and registering the live versions",
                     replica.index)
         await self._bring_up(replica)
@@ -180,4 +202,4 @@ class ReplicaHealth:
             value = float(info.get(key) or 0.0)
             deltas[key] = max(0.0, value - replica.seen.get(key, 0.0)) / n
             replica.seen[key] = value
-        self.stats.add(**deltas)
+        self.stats.engine_busy(deltas["busy_s"], steps=deltas["steps"], running=deltas["running"])

@@ -86,7 +86,7 @@ class ServerGenerator:
             if self._in_flight == 0:
                 self._busy_since = time.perf_counter()
             self._in_flight += 1
-        self.stats.add(requests=1)
+        self.stats.request_started()
         self._pool.submit(self._run_request, url, request, live, on_done)
 
     def validate(self, version: AdapterVersion, values: bool = True) -> None:
@@ -100,7 +100,7 @@ class ServerGenerator:
         try:
             delivery.load(self.client, int_id)
         except Exception:
-            self.stats.add(rejected_versions=1)
+            self.stats.version_rejected()
             raise
         with self._lock:
             live = self.registry.add(delivery.adapter, delivery.version, int_id)
@@ -163,11 +163,11 @@ class ServerGenerator:
                 samples.append(Sample(ids, logprobs, choice.get("finish_reason") or "stop"))
         except (ServerError, KeyError, TypeError, ValueError) as exc:
             status, error, samples = GenStatus.FAILED, f"server {url}: {exc}", []
-        self.stats.add(tokens=sum(len(s.token_ids) for s in samples))
+        self.stats.tokens_drawn(sum(len(s.token_ids) for s in samples))
         with self._lock:
             self._in_flight -= 1
             if self._in_flight == 0:
-                self.stats.add(busy_s=time.perf_counter() - self._busy_since)
+                self.stats.engine_busy(time.perf_counter() - self._busy_since)
             if live is not None and self.registry.release(live) and not self._closed:
                 self._retire(live)
         hand_back(on_done, GenResult(request, request.adapter, live.version if live is not None else None, samples,

@@ -1,0 +1,60 @@
+"""The staleness window: how far behind the learner a version may be and still train.
+
+One rule, asked everywhere it matters: a sample drawn on version `k` may train at learner
+version `v` when `v - k <= max_staleness` (its *lag*). Everything else follows from it:
+
+- the buffer drops (or marks for correction) a group whose lag is outside the window (`admits`);
+- admission starts a group only if its expected lag when trained is inside (`admits`);
+- a learner step aborts the rollouts its new version would leave outside (`oldest`);
+- the generator retires a version once it has left the window of the newest (`retirable`);
+- the engine sizes its LoRA slots for every version the window keeps live (`engine_slots`);
+- Ray replicas keep one version more than the router (`widened`), so a version a request was
+  pinned to is still there when the request arrives.
+
+`max_staleness = 0` is synchronous training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StalenessWindow:
+    max_staleness: int
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    @property
+    def synchronous(self) -> bool:
+        return self.max_staleness == 0
+
+    def admits(self, lag: int) -> bool:
+        """A sample `lag` versions behind the learner may train."""
+        return lag <= self.max_staleness
+
+    def oldest(self, newest: int) -> int:
+        """The oldest version still inside the window when `newest` is the current one."""
+        return newest - self.max_staleness
+
+    def retirable(self, version: int, newest: int) -> bool:
+        """A generator may drop `version` (once drained): nothing will train on it any more."""
+        return version < self.oldest(newest)
+
+    @property
+    def live_versions(self) -> int:
+        """Versions of one adapter the window keeps servable at once."""
+        return self.max_staleness + 1
+
+    def engine_slots(self, adapters: int) -> tuple[int, int]:
+        """(max_loras, max_cpu_loras) for an engine serving `adapters` adapters: every live
+        version of every adapter plus one being published may share a batch; one draining
+        version per adapter may stay registered beside them."""
+        batch = adapters * self.live_versions + 1
+        return batch, batch + adapters
+
+    def widened(self) -> "StalenessWindow":
+        """One version more (a Ray replica's window, beside the router's)."""
+        return StalenessWindow(self.max_staleness + 1)
