@@ -11,7 +11,7 @@ PEERS_BUDGET ?= 300
 PEERS_SEEDS ?= 0,1,2
 PEERS_OUT ?= runs/peers-v2
 
-.PHONY: test-long install demo test bench bench-peers clean
+.PHONY: test-long test-fast typecheck install demo test bench bench-peers clean
 
 install: $(STAMP)
 
@@ -39,8 +39,12 @@ demo: install
 	rm -rf $(DEMO_OUT)
 	$(BIN)/lora-async train examples/arithmetic.toml --set run.output_dir=$(DEMO_OUT)
 
-test: install
+test: install typecheck
 	$(BIN)/python -m pytest -q
+
+# The type checker over the package (config in pyproject.toml); any error fails `make test`.
+typecheck: install
+	$(BIN)/python -m mypy
 
 # Minutes of training on the real default model (learning asserted); not part of `make test`.
 test-long: install
