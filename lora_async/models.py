@@ -51,10 +51,31 @@ class ModelError(Exception):
     """A model name that cannot be resolved or built."""
 
 
+class ModelNameError(ModelError):
+    """The configured name names no model at all: a config mistake (exit code 2 in the CLI)."""
+
+
 def cache_dir() -> Path:
     """Root of lora-async's cache: `$LORA_ASYNC_CACHE`, else `~/.cache/lora-async`."""
     root = os.environ.get(CACHE_ENV)
     return Path(root) if root else Path.home() / ".cache" / "lora-async"
+
+
+def check_model_name(name: str, field: str = "model.name") -> None:
+    """The name can name a model (an embedded one, a local directory with config.json, or a hub
+    id), without building or downloading anything: a config mistake is one line naming `field`."""
+    if name in EMBEDDED:
+        return
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNameError(f"{field}: model directory {path} has no config.json")
+        return
+    if "/" in name and not name.startswith((".", "/")) and name.count("/") == 1:
+        return  # a hub id: resolved (from the local HF cache) when the model loads
+    known = ", ".join(sorted(EMBEDDED))
+    raise ModelNameError(f"{field}: unknown model {name!r}: use one of the embedded models ({known}), "
+                         "a local HF directory, or a hub id like org/name")
 
 
 def resolve_model(name: str, console: Console | None = None) -> Path:
@@ -63,20 +84,13 @@ def resolve_model(name: str, console: Console | None = None) -> Path:
     Accepts an embedded name (`smollm2-135m`), a local directory holding `config.json`, or a
     hub id (`org/name`, resolved through the local HF cache; no network is assumed).
     """
+    check_model_name(name, "model")
     if name in EMBEDDED:
         return build_embedded(EMBEDDED[name], console)
     path = Path(name).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelError(f"model directory {path} has no config.json")
         return path.resolve()
-    if "/" in name and not name.startswith((".", "/")) and name.count("/") == 1:
-        return _resolve_hub_id(name)
-    known = ", ".join(sorted(EMBEDDED))
-    raise ModelError(
-        f"unknown model {name!r}: use one of the embedded models ({known}), "
-        "a local HF directory, or a hub id like org/name"
-    )
+    return _resolve_hub_id(name)
 
 
 def _resolve_hub_id(repo_id: str) -> Path:

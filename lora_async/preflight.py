@@ -2,6 +2,7 @@
 
 `lora-async train` runs them first, so a setting that cannot work fails in seconds. Without
 them it would fail after a multi-minute model load with a traceback. The checks are:
+- the model name names a model (nothing is built or downloaded);
 - placement: the devices and cores exist;
 - Ray, for a `generator.type = "ray"` run (the `ray` extra);
 - the installed vLLM release;
@@ -59,10 +60,20 @@ def check_learner_quantization(config: "TrainConfig", rank0: "Placement") -> Non
         raise PreflightError(str(exc)) from None
 
 
+def check_model(config: "TrainConfig") -> None:
+    from .models import ModelNameError, check_model_name
+
+    try:
+        check_model_name(config.model.name)
+    except ModelNameError as exc:
+        raise PreflightError(str(exc)) from None
+
+
 def preflight(config: "TrainConfig") -> None:
     """Every check that needs no model: raises PreflightError on the first that fails."""
     from .placement import PlacementError, place_run
 
+    check_model(config)
     try:
         generator, ranks = place_run(config)
     except PlacementError as exc:

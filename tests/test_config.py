@@ -168,6 +168,8 @@ def test_missing_config_file():
     ["train", "--set", "generator.temperature=0.5"],
     ["train", "/no/such/file.toml"],
     ["eval", "CFG"],
+    ["train", "--set", "model.name=no-such-model-xyz"],
+    ["eval", "--set", "model.name=no-such-model-xyz"],
 ])
 def test_cli_config_errors_exit_2_with_one_line(tmp_path, args):
     cfg = write(tmp_path, "[learner]\nlr = \"fast\"\n")
@@ -178,17 +180,18 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path, args):
     assert "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:")
+    if any("model.name" in a for a in args):
+        assert "model.name" in lines[0] and "no-such-model-xyz" in lines[0]
 
 
-def test_help_is_fast_and_does_not_import_torch():
-    code = ("import sys, time; t=time.time(); from lora_async.cli import app; "
+def test_help_does_not_import_torch():
+    """`lora-async --help` answers without the heavy imports (torch, vLLM) that make it slow."""
+    code = ("import sys; from lora_async.cli import app; "
             "from typer.testing import CliRunner; r=CliRunner().invoke(app, ['--help']); "
             "assert r.exit_code == 0, r.output; "
-            "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'; "
-            "print(time.time()-t)")
+            "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert float(done.stdout.strip()) < 2.0
 
 
 def test_config_package_does_not_import_torch():

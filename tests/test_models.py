@@ -10,6 +10,17 @@ def test_unknown_name_lists_the_known_ones():
         resolve_model("no-such-model")
 
 
+def test_a_name_is_checked_without_building_anything(tmp_path):
+    from lora_async.models import ModelNameError, check_model_name
+
+    check_model_name("smollm2-135m")  # embedded: nothing is built by a check
+    check_model_name("org/name")  # a hub id is only looked up when the model loads
+    with pytest.raises(ModelNameError, match=r"^model\.name: unknown model 'no-such-model-xyz'"):
+        check_model_name("no-such-model-xyz")
+    with pytest.raises(ModelNameError, match="config.json"):
+        check_model_name(str(tmp_path))
+
+
 def test_local_directory_resolves(tiny_model):
     assert resolve_model(str(tiny_model)) == tiny_model.resolve()
 

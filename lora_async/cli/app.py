@@ -85,6 +85,12 @@ def eval_cmd(
 ) -> None:
     """Greedy accuracy on the task's held-out split, for the base model and for an adapter."""
     cfg = load_or_exit(config, set_)
+    from ..preflight import PreflightError, check_model
+
+    try:
+        check_model(cfg)
+    except PreflightError as exc:
+        fail(str(exc), code=2)
     from ..quiet import quiet_start
 
     quiet_start(cfg.run.engine_log)
