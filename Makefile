@@ -42,6 +42,13 @@ demo: install
 test: install typecheck
 	$(BIN)/python -m pytest -q
 
+# The unit tier alone (fakes, tiny random models; no engine, no Ray, no training run), in under 3
+# minutes. A test that starts an engine, Ray or a training run without its marker fails there
+# (tests/conftest.py).
+FAST_MARKERS := not vllm and not slow and not ray and not long and not gpu
+test-fast: install
+	LORA_ASYNC_TEST_TIER=unit $(BIN)/python -m pytest -q -m "$(FAST_MARKERS)"
+
 # The type checker over the package (config in pyproject.toml); any error fails `make test`.
 typecheck: install
 	$(BIN)/python -m mypy

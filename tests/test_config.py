@@ -1,5 +1,6 @@
 """Config loading: defaults, overrides, one-line errors naming the dotted field, migration of old keys."""
 
+import os
 import json
 import re
 import subprocess
@@ -294,3 +295,16 @@ def test_every_field_has_a_one_line_description_and_numbers_have_bounds():
                 numeric += 1
                 assert any(isinstance(m, bounds) for m in info.metadata), f"{where} has no bounds"
     assert numeric > 30
+
+
+def test_train_quiets_the_libraries_before_anything_imports_torch():
+    """torch reads TORCH_CPP_LOG_LEVEL once, at import: set later, vLLM's CPU worker still prints
+    its C++ `NUMA binding` warning into every log (`make demo > log`)."""
+    code = ("import os, sys; import lora_async.preflight as p\n"
+            "def spy(cfg):\n"
+            "    print(os.environ.get('TORCH_CPP_LOG_LEVEL'), 'torch' in sys.modules); raise SystemExit(0)\n"
+            "p.preflight = spy\n"
+            "from lora_async.cli.app import app; app(['train'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.stdout.split() == ["ERROR", "False"], done.stderr

@@ -37,6 +37,9 @@ def train(
 ) -> None:
     """Train LoRA adapters with async GRPO-style RL while vLLM keeps generating."""
     cfg = load_or_exit(config, set_)
+    from ..quiet import quiet_start
+
+    quiet_start(cfg.run.engine_log)  # before the preflight imports torch: some settings are read at its import
     from ..preflight import PreflightError, preflight
 
     try:  # devices this machine lacks, another vLLM, a bitsandbytes that cannot load: seconds, no model
@@ -44,9 +47,6 @@ def train(
     except PreflightError as exc:
         fail(str(exc), code=2)
     memory_gate(cfg, force)  # `lora-async plan`'s check, still before anything loads: one line, exit 2
-    from ..quiet import quiet_start
-
-    quiet_start(cfg.run.engine_log)
     import asyncio
 
     from ..generator.ray.cluster import RayError
@@ -85,15 +85,15 @@ def eval_cmd(
 ) -> None:
     """Greedy accuracy on the task's held-out split, for the base model and for an adapter."""
     cfg = load_or_exit(config, set_)
+    from ..quiet import quiet_start
+
+    quiet_start(cfg.run.engine_log)
     from ..preflight import PreflightError, check_model
 
     try:
         check_model(cfg)
     except PreflightError as exc:
         fail(str(exc), code=2)
-    from ..quiet import quiet_start
-
-    quiet_start(cfg.run.engine_log)
     from ..evaluate import run_eval
     from ..models import ModelError
 
