@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -215,26 +214,30 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
 
 def test_train_refuses_a_run_that_cannot_fit_in_one_line_before_loading(tmp_path: Path) -> None:
     cache, out = tmp_path / "cache", tmp_path / "run"
-    began = time.monotonic()
     done = run_cli("train", "examples/arithmetic.toml", "--set", "generator.kv_cache_gb=100000",
                    "--set", f"run.output_dir='{out}'", env={"LORA_ASYNC_CACHE": str(cache)}, timeout=60)
     assert done.returncode == 2, done.stderr
-    assert time.monotonic() - began < 30
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "cpu needs" in lines[0] and "generator.kv_cache_gb=" in lines[0]
     assert not cache.exists() and not out.exists()  # no model built, no run started
 
 
+@pytest.mark.slow
 def test_force_starts_a_run_the_plan_refuses(tmp_path: Path) -> None:
+    """The refusal becomes a warning, and the run really starts: its own start-up lines follow
+    (the model resolved, the config written), which a refused run never gets to."""
+    out = tmp_path / "run"
     cmd = [sys.executable, "-m", "lora_async", "train", "examples/arithmetic.toml", "--force",
-           "--set", "generator.kv_cache_gb=100000", "--set", f"run.output_dir='{tmp_path / 'run'}'"]
+           "--set", "generator.kv_cache_gb=100000", "--set", f"run.output_dir='{out}'"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO,
                             start_new_session=True)
     try:
-        first = proc.stderr.readline() if proc.stderr else ""
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
         assert "starting anyway (--force)" in first and "will not fit" in first
-        time.sleep(1.0)
-        assert proc.poll() is None  # past the check, into the run
+        started = proc.stderr.readline()
+        assert started.startswith("model smollm2-135m"), started  # the run's description: past the gate
+        assert (out / "config.json").is_file()
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
