@@ -66,10 +66,11 @@ def decode_tokens_per_s(model_dir: Path, dtype: str) -> float:
     from lora_async.bench.sync import _adapter
     from lora_async.generator.engine import EngineSpec, VllmGenerator
     from lora_async.placement import Placement
+    from lora_async.staleness import StalenessWindow
     from lora_async.sync.transports import ShmTransport
 
-    spec = EngineSpec(model_dir=model_dir, adapters=("bench",), max_staleness=0, max_lora_rank=8, kv_cache_gb=1.0,
-                      max_model_len=512, dtype=dtype, separate_process=True, max_num_seqs=64)
+    spec = EngineSpec(model_dir=model_dir, adapters=("bench",), window=StalenessWindow(0), max_lora_rank=8,
+                      kv_cache_gb=1.0, max_model_len=512, dtype=dtype, separate_process=True, max_num_seqs=64)
     with VllmGenerator(spec, Placement("cpu", frozenset({0}))) as gen:
         transport = ShmTransport(gen)
         transport.publish(_adapter(model_dir, 8))

@@ -3,7 +3,7 @@
 A sender process packs an r=8 all-linear adapter of SmolLM2-135M's shapes on cuda:0 and hands
 it to a receiver process on the same host by (a) a CUDA IPC handle and (b) an NCCL broadcast
 over a dedicated process group, both through the same code the vLLM worker extension calls
-(`lora_async.sync.receive`). The receiver checks every tensor bit for bit and reports timings.
+(`lora_async.handoff.receive`). The receiver checks every tensor bit for bit and reports timings.
 
     python bench/gpu_transport_check.py [--only cuda-ipc|nccl]   # one JSON line per transport
 """
@@ -23,9 +23,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lora_async.generator.types import AdapterVersion  # noqa: E402
-from lora_async.sync.pack import layout, pack  # noqa: E402
+from lora_async.handoff.packed import layout  # noqa: E402
+from lora_async.handoff.receive import CollectiveReceiver, receive_ipc  # noqa: E402
 from lora_async.process_groups import broadcast, make_group, make_store  # noqa: E402
-from lora_async.sync.receive import CollectiveReceiver, receive_ipc  # noqa: E402
+from lora_async.sync.pack import pack  # noqa: E402
 
 HIDDEN, INTER, LAYERS, RANK, REPS = 576, 1536, 30, 8, 20
 SHAPES = {"q_proj": (HIDDEN, HIDDEN), "k_proj": (192, HIDDEN), "v_proj": (192, HIDDEN), "o_proj": (HIDDEN, HIDDEN),
@@ -56,7 +57,7 @@ def receiver(kind: str, port: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
         tensors = group.receive(meta) if group is not None else receive_ipc(handle, meta, "cuda:0")
         torch.cuda.synchronize()
         elapsed = (time.perf_counter() - began) * 1000
-        expected = adapter(meta["version"], "cpu")
+        expected = adapter(meta.version, "cpu")
         ok = all(torch.equal(tensors[k].cpu(), v.to(torch.bfloat16)) for k, v in expected.tensors.items())
         outbox.put((elapsed, ok))
 
@@ -79,7 +80,7 @@ def run(kind: str) -> dict:
             buffer = torch.empty(metas[-1].offset + metas[-1].nbytes + 64, dtype=torch.uint8, device="cuda:0")
         packed = pack(version_tensors, torch.bfloat16, out=buffer, metas=metas)
         torch.cuda.synchronize()
-        meta = packed.meta()
+        meta = packed.meta  # a PackMeta: the queue pickles it
         if group is not None:
             inbox.put((meta, None))
             broadcast(group, packed.buffer)

@@ -3,8 +3,8 @@
 Every sample carries its adapter and, token by token, the version that sampled it (an episode
 may move to newer versions between turns, or within a turn with partial rollouts). Staleness
 is decided when the learner takes a group (that is when the lag is known) and counts the
-*oldest* trained token: groups more than `max_staleness` versions behind are dropped, or
-admitted for importance correction (`is-correct`). Every drop and every stale admission is
+*oldest* trained token: groups outside the staleness window (`staleness.StalenessWindow`) are
+dropped, or admitted for importance correction (`is-correct`). Every drop and every stale admission is
 counted. One queue per adapter; the token bound is shared.
 """
 
@@ -13,6 +13,12 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .staleness import StalenessWindow
+
+if TYPE_CHECKING:  # rollout.py builds on the Group defined here; only the annotation looks back
+    from .rollout import EpisodeStats
 
 
 @dataclass
@@ -34,7 +40,7 @@ class TrainSample:
     advantage: float = 0.0
     finish_reason: str = "stop"
     policy_lag: int = 0  # learner version at training time minus `version` (set on take)
-    stale: bool = False  # older than max_staleness, admitted for importance correction
+    stale: bool = False  # outside the staleness window, admitted for importance correction
     trained: list[bool] | None = None  # per completion token: sampled by the model (None: all were)
     versions: list[int] | None = None  # per completion token: the version that sampled it (None: `version`)
 
@@ -73,7 +79,7 @@ class Group:
     version: int  # the oldest version of any trained token in the group
     problem_index: int
     samples: list[TrainSample]
-    episodes: list[dict[str, float]] = field(default_factory=list)  # per-episode figures (environments)
+    episodes: EpisodeStats | None = None  # what its episodes came to (environments; None: single-turn)
 
     @property
     def tokens(self) -> int:
@@ -111,11 +117,11 @@ class BufferCounters:
 
 
 class RolloutBuffer:
-    def __init__(self, max_tokens: int, max_staleness: int, stale_policy: str) -> None:
+    def __init__(self, max_tokens: int, window: StalenessWindow, stale_policy: str) -> None:
         if stale_policy not in ("drop", "is-correct"):
             raise ValueError(f"unknown stale policy {stale_policy!r}")
         self.max_tokens = max_tokens
-        self.max_staleness = max_staleness
+        self.window = window
         self.stale_policy = stale_policy
         self.counters = BufferCounters()
         self._queues: dict[str, deque[Group]] = {}
@@ -160,7 +166,7 @@ class RolloutBuffer:
     def admit(self, group: Group, learner_version: int) -> bool:
         """Stamp policy_lag; apply the stale policy (on the group's oldest trained token). False
         means the group was dropped."""
-        stale = learner_version - group.version > self.max_staleness
+        stale = not self.window.admits(learner_version - group.version)
         for sample in group.samples:
             sample.policy_lag = learner_version - sample.version
             sample.stale = stale

@@ -71,6 +71,12 @@ class LossStats:
         return self.onpolicy_mismatch_sum / self.onpolicy_tokens if self.onpolicy_tokens else None
 
 
+def has_gradient(advantage: float, kl_coef: float) -> bool:
+    """Whether a sample moves the adapter: through its advantage, or, with a KL term, even with a
+    zero advantage (a flat group). The learner trains and the collector keeps samples by this."""
+    return advantage != 0.0 or kl_coef > 0.0
+
+
 def policy_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,

@@ -188,17 +188,23 @@ def _write_generation_config(out: Path, tokenizer) -> None:
 def greedy_check(model_dir: Path, prompt: str, max_new_tokens: int = 12) -> str:
     """A short greedy chat generation with transformers: proves the weights are sane."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = tokenizer.apply_chat_template(
+    encoded = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt",
         return_dict=True,
-    )["input_ids"]
+    )
+    assert isinstance(encoded, BatchEncoding)  # what return_dict=True returns
+    ids = encoded["input_ids"]
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        # transformers' own stubs: the auto class's model type fails its `generate`'s self-type
+        # protocol (GenerativePreTrainedModel wants `device`/`dtype` settable, they are properties)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)  # type: ignore[misc]
+    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert isinstance(text, str)  # one sequence decodes to one string
+    return text
 
 
 def build_tiny_model(
@@ -245,10 +251,11 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    ids = [i for i in tokenizer.convert_tokens_to_ids(list(frequent)) if i != tokenizer.unk_token_id]
+    found = tokenizer.convert_tokens_to_ids(list(frequent))
+    ids = [i for i in (found if isinstance(found, list) else [found]) if i != tokenizer.unk_token_id]
     with torch.no_grad():
         model.lm_head.weight[ids] *= boost
-    model = model.to(torch.bfloat16)
+    model = model.bfloat16()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -187,13 +187,15 @@ def place_run(config: "TrainConfig") -> tuple[Placement, list[Placement]]:
     """The generator's placement and one per learner rank, from the config alone (no model is
     loaded), so `lora-async train` rejects a placement this machine cannot give in seconds.
     Raises `PlacementError`."""
+    from .config import VllmGeneratorConfig
+
     gen, learner = config.generator, config.learner
-    if not gen.engine_here:  # servers or Ray replicas: only the learner is placed
+    if not isinstance(gen, VllmGeneratorConfig):  # servers or Ray replicas: only the learner is placed
         generator, rank0 = resolve(None, None, learner.device, learner.cpus, concurrent=False,
                                    learner_devices=learner.devices)
     else:  # `auto` splits the cores only when generation and training run concurrently
         generator, rank0 = resolve(gen.device, gen.cpus, learner.device, learner.cpus,
-                                   concurrent=config.buffer.max_staleness > 0, learner_devices=learner.devices)
+                                   concurrent=not config.buffer.window.synchronous, learner_devices=learner.devices)
     return generator, rank_placements(learner.devices, rank0)
 
 

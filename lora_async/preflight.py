@@ -30,11 +30,12 @@ def check_vllm(config: "TrainConfig", generator: "Placement") -> None:
     `generator.quantization` on the generator's device."""
     from .generator.vllm.compat import VllmCompatError, check_serving_quantization, check_vllm_version
 
-    if config.generator.engine_home == "server":
+    engine = config.engine_settings
+    if engine is None:  # running servers: their vLLM is theirs
         return
     try:
         check_vllm_version()
-        check_serving_quantization(config.generator.quantization, generator.device)
+        check_serving_quantization(engine.quantization, generator.device)
     except VllmCompatError as exc:
         raise PreflightError(str(exc)) from None
 

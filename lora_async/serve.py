@@ -15,7 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator
 
 from rich.console import Console
 
@@ -107,7 +107,7 @@ def training_server(model_dir: Path, max_lora_rank: int, max_loras: int = 4, max
                                        kv_cache_gb)
     if cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
-    sink = open(log, "w") if log is not None else subprocess.DEVNULL
+    sink: IO[str] | int = open(log, "w") if log is not None else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -127,8 +127,8 @@ def training_server(model_dir: Path, max_lora_rank: int, max_loras: int = 4, max
         yield url
     finally:
         stop_server(proc)
-        if log is not None:
-            sink.close()  # type: ignore[union-attr]
+        if not isinstance(sink, int):
+            sink.close()
 
 
 def serve_for_training(model: str, host: str, port: int, max_lora_rank: int, max_loras: int,

@@ -15,10 +15,10 @@ import torch
 from lora_async.buffer import TrainSample
 from lora_async.generator.types import (AdapterVersion, Delivery, GenRequest, GenResult, GeneratorDead,
                                         GeneratorStats, GenStatus, PublishStats, Sample)
+from lora_async.handoff import PackError
 from lora_async.learner import StepStats
 from lora_async.loss import LossStats
 from lora_async.placement import Placement
-from lora_async.sync.pack import PackError
 
 LORA_KEY = "base_model.model.layer.lora_A.weight"
 
@@ -49,7 +49,10 @@ class FakeGenerator:
     """Completions start with "x" half of the time (a regex reward "^x" then varies within a
     group), or are what `reply(request, rng)` says. Each request takes `delay()` seconds on a
     timer thread, like an engine would. A `keep_partial` request stopped by `abort_older` comes
-    back STOPPED with the first half of its reply. `served` records (prompt, version, reply ids)."""
+    back STOPPED with the first half of its reply. `served` records (prompt, version, reply ids).
+    Deliveries load into the fake itself (its receiver)."""
+
+    serving_dtype = None
 
     def __init__(self, delay: Callable[[], float], events: list[str], seed: int = 0,
                  reply: Callable[[GenRequest, random.Random], str] | None = None) -> None:
@@ -104,10 +107,13 @@ class FakeGenerator:
         self.stats.engine_busy(0.001)
         pending.on_done(GenResult(pending.request, pending.request.adapter, pending.version, samples))
 
-    def validate(self, version: AdapterVersion) -> None:
+    def validate(self, version: AdapterVersion, values: bool = True) -> None:
         pass
 
-    def register(self, delivery: Delivery) -> PublishStats:
+    def with_receiver(self, fn: Callable[["FakeGenerator"], Any]) -> Any:
+        return fn(self)
+
+    def register(self, delivery: Delivery["FakeGenerator"]) -> PublishStats:
         if self.dead:
             raise GeneratorDead("engine died")
         delivery.load(self, delivery.version)

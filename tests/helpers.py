@@ -32,23 +32,32 @@ def random_adapter(model_dir: Path, adapter: str, version: int, seed: int, scale
     return AdapterVersion(adapter, version, tensors, config)
 
 
-def inproc_reference(model_dir: Path, adapter: str, seeds: tuple[int, ...], read) -> dict:
-    """The path every transport must match: an in-process engine where version k of `adapter`
-    (random, `seeds[k]`) is published in order, then `read(engine, k)` is taken; returns {k: read}."""
-    from lora_async.generator.engine import EngineSpec, VllmGenerator
-    from lora_async.placement import Placement
-    from lora_async.sync.transports import InprocTransport
+def fleet_config(tiny_model: Path, max_staleness: int = 1):
+    """A 3-adapter fleet on the tiny model, as a run would configure it."""
+    from lora_async.config import TrainConfig
 
-    spec = EngineSpec(model_dir=model_dir, adapters=(adapter,), max_staleness=1, max_lora_rank=8,
-                      kv_cache_gb=0.25, max_model_len=512, seed=0)
-    out = {}
-    with VllmGenerator(spec, Placement("cpu", None)) as engine:
-        transport = InprocTransport(engine)
-        for version, seed in enumerate(seeds):
-            assert transport.publish(random_adapter(model_dir, adapter, version, seed=seed)).transport == "inproc"
-            out[version] = read(engine, version)
-    assert out[0] != out[1]  # the two versions answer differently, so a stale one would show
-    return out
+    return TrainConfig.model_validate({
+        "model": {"name": str(tiny_model)},
+        "generator": {"kv_cache_gb": 0.25, "max_model_len": 512, "max_batched_tokens": 384},
+        "buffer": {"max_staleness": max_staleness},
+        "adapters": [{"name": name, "task": {"type": "arithmetic"}} for name in ("a", "b", "c")]})
+
+
+GREEDY = dict(temperature=0.0, n=1)
+
+
+def first_token(result: GenResult) -> tuple[int, float]:
+    sample = result.samples[0]
+    return sample.token_ids[0], sample.logprobs[0]
+
+
+def greedy(engine, adapter: str | None, prompt: list[int], max_tokens: int = 6) -> GenResult:
+    return generate(engine, GenRequest(prompt, adapter, max_tokens=max_tokens, **GREEDY))
+
+
+def next_version(engine, adapter: str) -> int:
+    newest = engine.registry.newest(adapter)
+    return 0 if newest is None else newest + 1
 
 
 def publish(engine, version: AdapterVersion) -> PublishStats:

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from lora_async.buffer import Group, RolloutBuffer, TrainSample, group_advantages
+from lora_async.staleness import StalenessWindow
 
 
 def group(version, n=2, tokens_each=10, adapter="a", reward=(0.0, 1.0)):
@@ -24,7 +25,7 @@ def test_advantages_are_group_normalised():
 
 def test_token_bound_blocks_producers_until_the_learner_takes():
     async def scenario():
-        buf = RolloutBuffer(max_tokens=40, max_staleness=4, stale_policy="drop")
+        buf = RolloutBuffer(max_tokens=40, window=StalenessWindow(4), stale_policy="drop")
         await buf.put(group(0))  # 20 tokens
         await buf.put(group(0))  # 40 tokens: full
         third = asyncio.create_task(buf.put(group(0)))
@@ -38,7 +39,7 @@ def test_token_bound_blocks_producers_until_the_learner_takes():
 
 def test_oversized_group_enters_an_empty_buffer():
     async def scenario():
-        buf = RolloutBuffer(max_tokens=10, max_staleness=1, stale_policy="drop")
+        buf = RolloutBuffer(max_tokens=10, window=StalenessWindow(1), stale_policy="drop")
         await asyncio.wait_for(buf.put(group(0, tokens_each=50)), 1.0)
         assert buf.tokens == 100
     asyncio.run(scenario())
@@ -46,7 +47,7 @@ def test_oversized_group_enters_an_empty_buffer():
 
 def test_stale_groups_are_dropped_and_counted():
     async def scenario():
-        buf = RolloutBuffer(max_tokens=1000, max_staleness=1, stale_policy="drop")
+        buf = RolloutBuffer(max_tokens=1000, window=StalenessWindow(1), stale_policy="drop")
         await buf.put(group(0, n=3))  # lag 2 at version 2: dropped
         await buf.put(group(1, n=3))  # lag 1: kept
         got = await buf.take("a", 2)
@@ -59,7 +60,7 @@ def test_stale_groups_are_dropped_and_counted():
 
 def test_is_correct_admits_stale_groups_marked_for_correction():
     async def scenario():
-        buf = RolloutBuffer(max_tokens=1000, max_staleness=0, stale_policy="is-correct")
+        buf = RolloutBuffer(max_tokens=1000, window=StalenessWindow(0), stale_policy="is-correct")
         await buf.put(group(3, n=2))
         got = await buf.take("a", 5)
         assert all(s.stale and s.policy_lag == 2 for s in got.samples)
@@ -69,7 +70,7 @@ def test_is_correct_admits_stale_groups_marked_for_correction():
 
 def test_adapters_have_separate_queues():
     async def scenario():
-        buf = RolloutBuffer(max_tokens=1000, max_staleness=1, stale_policy="drop")
+        buf = RolloutBuffer(max_tokens=1000, window=StalenessWindow(1), stale_policy="drop")
         await buf.put(group(0, adapter="x"))
         await buf.put(group(0, adapter="y"))
         assert (await buf.take("y", 0)).adapter == "y"

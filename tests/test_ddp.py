@@ -23,7 +23,9 @@ from lora_async.learner.parallel import ParallelLearner, RankTimeouts, assign_mi
 from lora_async.orchestrator.state import TrainingError
 from lora_async.placement import Placement, PlacementError, available_cpus, rank_placements, resolve
 
-pytestmark = pytest.mark.skipif(len(available_cpus()) < 2, reason="two CPU ranks need two cores")
+# Data-parallel ranks are spawned processes, each building a learner: the slow tier.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(len(available_cpus()) < 2, reason="two CPU ranks need two cores")]
 
 # fp32 throughout. The micro-batches are identical to one learner's, so step 1's losses are too;
 # only the order in which the fp32 gradients are summed differs (each rank's share, then across

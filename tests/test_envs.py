@@ -14,9 +14,10 @@ import pytest
 from rich.console import Console
 
 from lora_async.config import TrainConfig
-from lora_async.envs.source import EnvLoadError, EnvSource
+from lora_async.envs.source import EnvLoadError
 from lora_async.metrics import read_metrics
 from lora_async.orchestrator import train
+from lora_async.tasks import make_source
 
 from .fakes import ByteTokenizer, FakeParts
 
@@ -284,7 +285,7 @@ def test_an_episode_that_fills_the_context_ends_truncated(tmp_path, env_module):
 def test_an_unusable_environment_fails_at_startup_naming_the_field(tmp_path, env_module, spec, message):
     cfg = config(tmp_path, env=spec)
     with pytest.raises(EnvLoadError, match=message) as info:
-        EnvSource(cfg.task, 0)
+        make_source(cfg.adapter_specs[0], cfg, 0)
     assert str(info.value).startswith("task.env") and "\n" not in str(info.value)
 
 

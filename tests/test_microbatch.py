@@ -4,7 +4,6 @@ import torch
 
 from lora_async.buffer import TrainSample
 from lora_async.learner.packing import build_micro_batch, plan_micro_batches, plan_step
-from lora_async.orchestrator.rollouts import may_start
 
 
 def test_plan_respects_the_budget_and_packs_many_per_batch():
@@ -50,18 +49,6 @@ def test_a_unit_bigger_than_the_budget_is_split():
     rows = [row for mb in plan_step(samples, token_budget=35) for row in mb]
     assert sorted(i for r in rows for i in r) == list(range(5))
     assert all(10 + 10 * len(r) <= 35 for r in rows)
-
-
-def test_admission_rule():
-    # synchronous training: producers only while the learner waits for a batch
-    assert may_start(False, 0, 8, 0) and may_start(False, 7, 8, 0)
-    assert not may_start(False, 8, 8, 0) and not may_start(True, 0, 8, 0)
-    # one step of staleness: one batch ahead while training, two while waiting
-    assert may_start(True, 7, 8, 1) and not may_start(True, 8, 8, 1)
-    assert may_start(False, 15, 8, 1) and not may_start(False, 16, 8, 1)
-    # a hand-off on its way: the served version is already one behind the learner
-    assert not may_start(False, 0, 8, 0, unpublished=1)
-    assert not may_start(True, 0, 8, 1, unpublished=1) and may_start(False, 7, 8, 1, unpublished=1)
 
 
 def test_packed_prompt_tree_logprobs_equal_an_unpacked_forward(tiny_model):

@@ -22,6 +22,7 @@ from rich.console import Console
 from lora_async.config import TrainConfig
 from lora_async.metrics import read_metrics
 from lora_async.orchestrator import TrainingError, train
+from lora_async.orchestrator.rollouts import PRODUCER, producer_quota
 
 from .fakes import FakeParts
 
@@ -237,3 +238,48 @@ def test_save_every_keeps_stamped_snapshots_and_the_start_row_says_how_long_star
     assert all(i["wall_s"] == pytest.approx(clock[i["step"]], abs=1e-3) for i in snaps[1:])
     start = [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "start"]
     assert len(start) == 1 and start[0]["startup_s"] > 0 and start[0]["resumed"] is False
+
+
+def test_producers_are_shared_by_weight():
+    assert producer_quota({"a": 2.0, "b": 1.0, "c": 1.0}, 8) == {"a": 4, "b": 2, "c": 2}
+    assert producer_quota({"a": 1.0, "b": 1.0}, 7) == {"a": 4, "b": 4}  # rounded, each
+    assert producer_quota({"big": 100.0, "small": 1.0}, 4) == {"big": 4, "small": 1}  # at least one each
+
+
+def producers(names) -> dict[str, int]:
+    """Live producer tasks per adapter (start_producers names them)."""
+    tasks = [t.get_name().split() for t in asyncio.all_tasks() if t.get_name().startswith(PRODUCER)]
+    return {name: sum(1 for _, owner in tasks if owner == name) for name in names}
+
+
+def test_a_fleet_shares_generation_by_weight(tmp_path):
+    """Weight 2 against weight 1, generation the bottleneck (the learner is fast, the window wide):
+    the first adapter runs twice the producers, so it starts about twice the groups and takes
+    about twice the steps in the same time."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"item {i}", "answer": "-"}) for i in range(50)))
+    task = {"type": "jsonl", "path": str(data), "reward": "regex:^x", "heldout": 4}
+    cfg = TrainConfig.model_validate({
+        "adapters": [{"name": "heavy", "weight": 2.0, "task": task}, {"name": "light", "weight": 1.0, "task": task}],
+        "sampling": {"samples_per_prompt": 4, "max_new_tokens": 8}, "generator": {"groups_in_flight": 6},
+        "learner": {"groups_per_step": 2}, "buffer": {"max_staleness": 8},
+        "run": {"max_steps": 1000, "time_budget_s": 2.0, "output_dir": str(tmp_path / "out"), "progress": False,
+                "canary_every": 0, "chart_every": 0}})
+    seen: dict = {}
+
+    def watch(run_):
+        seen["run"] = run_
+        seen.setdefault("producers", producers(run_.adapters))
+
+    summary = run(cfg, FakeParts(["heavy", "light"], gen_delay=lambda: 0.1, step_s=0.01), on_step=watch)
+    assert seen["producers"] == {"heavy": 4, "light": 2}
+    started = {name: a.counters.groups_started for name, a in seen["run"].adapters.items()}
+    assert 1.5 <= started["heavy"] / started["light"] <= 2.6, started
+    tokens = {name: summary[f"{name}.tokens_generated"] for name in ("heavy", "light")}
+    assert 1.5 <= tokens["heavy"] / tokens["light"] <= 2.6, tokens
+    rows = steps(cfg)
+    taken = {name: len([r for r in rows if r["adapter"] == name]) for name in ("heavy", "light")}
+    assert 1.4 <= taken["heavy"] / taken["light"] <= 2.8, taken
+    # each adapter's step lines count its own tokens, within its own total
+    for name in ("heavy", "light"):
+        assert 0 < sum(r["tokens_generated"] for r in rows if r["adapter"] == name) <= tokens[name]

@@ -1,10 +1,15 @@
-"""Packing adapters into one buffer: round trip, owned copies, corruption."""
+"""Packing adapters into one buffer: round trip, owned copies, corruption, the metadata as
+plain data."""
+
+import dataclasses
 
 import pytest
 import torch
 
 from lora_async.generator.types import AdapterVersion
-from lora_async.sync.pack import PackError, PackedAdapter, pack, unpack_owned, unpack_views
+from lora_async.handoff import PackedAdapter, PackError, PackMeta
+from lora_async.handoff.packed import unpack_owned, unpack_views
+from lora_async.sync.pack import pack
 
 
 def adapter():
@@ -18,12 +23,13 @@ def test_round_trip_with_cast_and_alignment():
     version = adapter()
     packed = pack(version, dtype=torch.bfloat16, with_checksum=True)
     assert packed.buffer.dtype == torch.uint8
-    assert all(m.offset % 64 == 0 for m in packed.tensors)
+    assert all(m.offset % 64 == 0 for m in packed.meta.tensors)
     views = unpack_views(packed)
     for name, tensor in version.tensors.items():
         assert views[name].dtype == torch.bfloat16
         assert torch.equal(views[name], tensor.to(torch.bfloat16))
-    assert packed.peft_config == version.peft_config
+    assert packed.meta.peft_config == version.peft_config
+    assert packed.meta.name == "a@v3" and packed.meta.nbytes == packed.nbytes
 
 
 def test_unpack_owned_is_a_copy():
@@ -43,19 +49,53 @@ def test_checksum_mismatch_is_rejected():
 
 def test_truncated_buffer_is_rejected():
     packed = pack(adapter())
-    meta = packed.meta()
     with pytest.raises(PackError, match="truncated"):
-        PackedAdapter.from_meta(meta, packed.buffer[:-100])
-    short = PackedAdapter(packed.adapter, packed.version, packed.buffer[:-100], packed.tensors)
+        PackedAdapter.received(packed.meta, packed.buffer[:-100])
+    short = PackedAdapter(packed.meta, packed.buffer[:-100])
     with pytest.raises(PackError, match="truncated"):
         unpack_views(short)
 
 
-def test_meta_round_trip():
-    packed = pack(adapter(), with_checksum=True)
-    again = PackedAdapter.from_meta(packed.meta(), packed.buffer.clone())
-    assert again.checksum == packed.checksum
-    assert unpack_views(again).keys() == unpack_views(packed).keys()
+def test_meta_round_trips_through_plain_data():
+    """What crosses vLLM's `collective_rpc` (which decodes without custom types) comes back equal,
+    and a receiver unpacks the same tensors from it."""
+    import json
+
+    packed = pack(adapter(), torch.bfloat16, with_checksum=True)
+    plain = json.loads(json.dumps(packed.meta.to_dict()))  # nothing but JSON types inside
+    again = PackMeta.from_dict(plain)
+    assert again == packed.meta and again.checksum is not None
+    received = unpack_views(PackedAdapter.received(again, packed.buffer.clone()))
+    assert {k: torch.equal(v, received[k]) for k, v in unpack_views(packed).items()} == dict.fromkeys(received, True)
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda d: d.pop("tensors"),
+    lambda d: d.pop("nbytes"),
+    lambda d: d.update(version="3"),
+    lambda d: d.update(adapter=7),
+    lambda d: d.update(nbytes=-1),
+    lambda d: d.update(checksum=123),
+    lambda d: d.update(peft_config=["r", 8]),
+    lambda d: d["tensors"][0].pop(),
+    lambda d: d["tensors"][0].__setitem__(2, ["8", 64]),
+    lambda d: d["tensors"][1].__setitem__(3, None),
+], ids=["no-tensors", "no-nbytes", "version-text", "adapter-number", "negative-size", "checksum-number",
+        "config-list", "short-entry", "shape-text", "offset-none"])
+def test_malformed_meta_is_refused_with_pack_error(break_it):
+    plain = pack(adapter(), with_checksum=True).meta.to_dict()
+    break_it(plain)
+    with pytest.raises(PackError, match="malformed adapter metadata"):
+        PackMeta.from_dict(plain)
+
+
+def test_a_meta_that_lies_about_its_tensors_is_refused_on_unpack():
+    packed = pack(adapter())
+    first = packed.meta.tensors[0]
+    bigger = dataclasses.replace(first, shape=(first.shape[0] * 2, first.shape[1]))
+    lying = dataclasses.replace(packed.meta, tensors=(bigger, *packed.meta.tensors[1:]))
+    with pytest.raises(PackError, match="does not match"):
+        unpack_views(PackedAdapter.received(lying, packed.buffer))
 
 
 def test_gather_makes_one_buffer_lora_a_first_with_views_that_own_nothing_of_the_source():

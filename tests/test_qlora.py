@@ -53,28 +53,25 @@ def test_quantized_base_trains_a_full_precision_adapter(tiny_model, quantization
 
 
 @pytest.mark.vllm
-def test_vllm_serves_what_an_nf4_learner_trained(tiny_model):
+def test_vllm_serves_what_an_nf4_learner_trained(tiny_model, engine_lease):
     """vLLM (unquantised base) serves the nf4 learner's adapter: its sampling logprobs equal an
     unquantised learner's holding the same adapter to 1e-3 (both float32 here), and differ from
     the nf4 learner's own by the quantisation gap alone."""
-    from lora_async.generator.engine import EngineSpec, VllmGenerator
     from lora_async.generator.types import GenRequest
+
+    from .conftest import shared_spec
 
     learner = make_learner(tiny_model, "nf4")
     for _ in range(3):
         learner.train_step("main", batch())
     version = learner.adapter_version("main")
-    spec = EngineSpec(tiny_model, ("main",), max_staleness=1, max_lora_rank=8, dtype="float32", kv_cache_gb=0.25,
-                      max_model_len=256)
-    generator = VllmGenerator(spec, Placement("cpu", None))
-    try:
-        publish(generator, version)
-        requests = [GenRequest(prompt, "main", n=2, max_tokens=6, temperature=1.0) for prompt in PROMPTS]
-        results = submit_many(generator, requests)
-        base = submit_many(generator, [GenRequest(p, None, max_tokens=6, temperature=0.0) for p in PROMPTS])
-        served = submit_many(generator, [GenRequest(p, "main", max_tokens=6, temperature=0.0) for p in PROMPTS])
-    finally:
-        generator.close()
+    # The session's engine where it serves float32 (here); its own engine where it would not.
+    generator = engine_lease.get(shared_spec(tiny_model, dtype="float32"))
+    publish(generator, version)
+    requests = [GenRequest(prompt, "main", n=2, max_tokens=6, temperature=1.0) for prompt in PROMPTS]
+    results = submit_many(generator, requests)
+    base = submit_many(generator, [GenRequest(p, None, max_tokens=6, temperature=0.0) for p in PROMPTS])
+    served = submit_many(generator, [GenRequest(p, "main", max_tokens=6, temperature=0.0) for p in PROMPTS])
     samples = [TrainSample("main", version.version, request.prompt_ids, s.token_ids, s.logprobs, 0.0, 0.0)
                for request, result in zip(requests, results) for s in result.samples]
     plain = make_learner(tiny_model, "none")
@@ -99,7 +96,7 @@ def test_bitsandbytes_that_cannot_load_is_one_line_and_exit_2(tmp_path):
     code = textwrap.dedent("""
         import sys
         from lora_async.cli import app
-        sys.argv = ["lora-async", "train", "--set", "model.quantization=nf4", "--set", "model.name=/nonexistent"]
+        sys.argv = ["lora-async", "train", "--set", "model.quantization=nf4", "--set", "model.name=smollm2-135m"]  # a known name: nothing is built before the check
         app()
     """)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

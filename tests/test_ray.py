@@ -16,16 +16,18 @@ import time
 
 import pytest
 
-from .helpers import PROMPTS, generate, inproc_reference, random_adapter, submit_many
+from .helpers import PROMPTS, generate, random_adapter, submit_many
 from .test_train import make_config
 from lora_async.generator.types import Delivery, GenRequest, GenStatus
+from lora_async.handoff import PackError
 from lora_async.metrics import read_metrics
-from lora_async.sync.pack import PackError, pack
+from lora_async.staleness import StalenessWindow
+from lora_async.sync.pack import pack
 
 pytest.importorskip("ray")
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
-SEEDS = (1, 2)  # adapter versions 0 and 1
+from .conftest import REFERENCE_SEEDS as SEEDS  # adapter versions 0 and 1
 REPLICAS = 2
 STEPS = 120  # a whole run on the tiny model: long enough (~50 s) for a killed replica to come back
 RESTART_TIMEOUT_S = 180  # a replica's engine restarts in ~15 s on this machine; generous for loaded CI
@@ -42,20 +44,13 @@ def first_tokens(call, version):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model):
-    """First tokens of versions 0 and 1 on the in-process engine (the path every transport matches)."""
-    return inproc_reference(tiny_model, "ref", SEEDS,
-                            lambda engine, version: first_tokens(lambda r: generate(engine, r), version))
-
-
-@pytest.fixture(scope="module")
 def cluster(tiny_model, reference):
     """A local Ray with two CPU replicas, and its `ray` transport."""
     from lora_async.generator.engine import EngineSpec
     from lora_async.generator.ray.generator import RayGenerator
     from lora_async.sync.objectstore import RayTransport
 
-    spec = EngineSpec(model_dir=tiny_model, adapters=("ref", "r"), max_staleness=1, max_lora_rank=8,
+    spec = EngineSpec(model_dir=tiny_model, adapters=("ref", "r"), window=StalenessWindow(1), max_lora_rank=8,
                       kv_cache_gb=0.25, max_model_len=512, seed=0)
     generator = RayGenerator(spec, str(tiny_model), REPLICAS, device="cpu", down_timeout_s=5.0)
     transport = RayTransport(generator)
@@ -121,12 +116,12 @@ def test_a_damaged_object_is_refused_on_every_replica_and_the_previous_version_k
     live_before = generator.live_versions("ref")
     newest = live_before[-1]
     packed = pack(random_adapter(tiny_model, "ref", newest + 1, seed=9), with_checksum=True)
-    packed.buffer[packed.tensors[3].offset] ^= 0xFF  # one flipped byte after the checksum was taken
+    packed.buffer[packed.meta.tensors[3].offset] ^= 0xFF  # one flipped byte after the checksum was taken
     ref = ray.put(packed.buffer.numpy())
     rejected = generator.stats.rejected_versions
     with pytest.raises(PackError, match="checksum"):
         generator.register(Delivery("ref", newest + 1, packed.nbytes, "ray",
-                                    lambda gen, int_id: gen.add_object(ref, packed.meta())))
+                                    lambda gen, int_id: gen.add_object(ref, packed.meta)))
     assert generator.stats.rejected_versions == rejected + 1
     assert generator.live_versions("ref") == live_before
     assert all(live[-1] == newest for live in replica_versions(generator, "ref"))  # on no replica

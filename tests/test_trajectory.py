@@ -8,6 +8,7 @@ import torch
 from lora_async.buffer import Group, RolloutBuffer, TrainSample
 from lora_async.learner.packing import build_micro_batch, plan_step
 from lora_async.loss import policy_loss
+from lora_async.staleness import StalenessWindow
 
 PROMPT = [1, 510, 2114, 314, 260]
 # turn 1 sampled on v3 | environment/template delta | turn 2 sampled on v4 (v5 after a switch)
@@ -39,7 +40,7 @@ def test_only_sampled_tokens_are_targets_token_by_token():
 
 
 def test_each_token_has_its_own_lag():
-    buffer = RolloutBuffer(10_000, max_staleness=4, stale_policy="drop")
+    buffer = RolloutBuffer(10_000, window=StalenessWindow(4), stale_policy="drop")
     s = episode()
     group = Group("a", s.version, 0, [s])
     assert buffer.admit(group, learner_version=6)
@@ -50,7 +51,7 @@ def test_each_token_has_its_own_lag():
 
 
 def test_staleness_counts_the_oldest_trained_token():
-    buffer = RolloutBuffer(10_000, max_staleness=2, stale_policy="drop")
+    buffer = RolloutBuffer(10_000, window=StalenessWindow(2), stale_policy="drop")
     s = episode()  # tokens from v3 to v5
     assert not buffer.admit(Group("a", s.version, 0, [s]), learner_version=6)  # v3 is 3 behind
     assert buffer.counters.dropped_stale == 1

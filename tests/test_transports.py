@@ -7,20 +7,22 @@ logprobs for the same adapter tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import time
 
 import pytest
 
-from .helpers import PROMPTS, generate, inproc_reference, random_adapter
+from .helpers import PROMPTS, generate, random_adapter
 from lora_async.bench.proc import free_port
 from lora_async.generator.types import GenRequest
-from lora_async.sync.pack import PackError
+from lora_async.handoff import PackError
+from lora_async.staleness import StalenessWindow
 
 pytestmark = pytest.mark.vllm
 
-SEEDS = (1, 2)  # adapter versions 0 and 1 of every transport's adapter
+from .conftest import REFERENCE_SEEDS as SEEDS  # adapter versions 0 and 1 of every transport's adapter
 
 
 def first_tokens(generator, adapter):
@@ -38,18 +40,12 @@ def assert_same_tokens(got, want, abs_tol=1e-3):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model):
-    """First-token (version, token, logprob) on PROMPTS for each version, on the in-process path."""
-    return inproc_reference(tiny_model, "ref", SEEDS, lambda engine, version: first_tokens(engine, "ref"))
-
-
-@pytest.fixture(scope="module")
 def separate_engine(tiny_model, reference):
     """A vLLM engine whose core and worker run in a child process (vLLM's multiprocess mode)."""
     from lora_async.generator.engine import EngineSpec, VllmGenerator
     from lora_async.placement import Placement
 
-    spec = EngineSpec(model_dir=tiny_model, adapters=("s", "g", "x"), max_staleness=1, max_lora_rank=8,
+    spec = EngineSpec(model_dir=tiny_model, adapters=("s", "g", "x"), window=StalenessWindow(1), max_lora_rank=8,
                       kv_cache_gb=0.25, max_model_len=512, seed=0, separate_process=True)
     with VllmGenerator(spec, Placement("cpu", None)) as engine:
         yield engine
@@ -104,12 +100,13 @@ class _Sabotaged:
     def wrap(self, transport):
         loader = transport._loader
 
-        def sabotaged_loader(packed, meta):
+        def sabotaged_loader(packed):
             if self.how == "flip":
-                transport._tensor[meta["nbytes"] // 2] ^= 0xFF
+                transport._tensor[packed.meta.nbytes // 2] ^= 0xFF
             else:  # claim more bytes than were sent: the receiver sees a truncated buffer
-                meta = {**meta, "nbytes": transport._segment.size + 64}
-            return loader(packed, meta)
+                claimed = dataclasses.replace(packed.meta, nbytes=transport._segment.size + 64)
+                packed = dataclasses.replace(packed, meta=claimed)
+            return loader(packed)
 
         transport._loader = sabotaged_loader
         return transport
@@ -148,8 +145,8 @@ def test_a_receiver_that_stops_answering_times_out_with_a_clear_error(separate_e
     stalled = CollectiveTransport(separate_engine, backend="gloo", timeout_s=3)
     stalled._loader_inner = stalled._loader
 
-    def never_receives(packed, meta):
-        inner = stalled._loader_inner(packed, meta)
+    def never_receives(packed):
+        inner = stalled._loader_inner(packed)
 
         def load(client, int_id):
             # stand-in for a hung receiver: the worker answers, but does not take the broadcast
@@ -186,7 +183,7 @@ def server(tiny_model, tmp_path_factory, reference):
 def _server_generator(url, tiny_model):
     from lora_async.generator.server import ServerClient, ServerGenerator
 
-    return ServerGenerator(ServerClient([url]), tiny_model, max_staleness=1, max_lora_rank=8)
+    return ServerGenerator(ServerClient([url]), tiny_model, window=StalenessWindow(1), max_lora_rank=8)
 
 
 def test_http_transport_serves_what_inproc_serves(server, tiny_model, tmp_path, reference):
@@ -289,11 +286,11 @@ def test_training_through_shm_into_a_separate_engine_survives_a_corrupted_versio
         assert transport.name == "shm"
         loader = transport._loader
 
-        def flip_once(packed, meta):
+        def flip_once(packed):
             if not damaged:
-                damaged.append(meta["version"])
-                transport._tensor[meta["nbytes"] // 3] ^= 0xFF
-            return loader(packed, meta)
+                damaged.append(packed.meta.version)
+                transport._tensor[packed.meta.nbytes // 3] ^= 0xFF
+            return loader(packed)
         transport._loader = flip_once
 
     summary = asyncio.run(train(config, on_step=damage_one_transfer))

@@ -121,6 +121,23 @@ def test_sgmv_ops_explode_per_sequence():
     torch.testing.assert_close(a, b)
 
 
+def test_our_ops_take_what_compat_lists_for_vllms():
+    """compat.py lists the punica ops we replace with vLLM's parameter counts (and checks vLLM's
+    against them); ours must take as many, since vLLM's wrapper calls them positionally."""
+    assert set(cpu_lora_ops.ours()) == set(compat.PUNICA_OPS)
+    assert {name: len(inspect.signature(op).parameters) for name, op in cpu_lora_ops.ours().items()} == \
+        compat.PUNICA_OPS
+    assert compat.punica_problems() == []
+
+
+def test_compat_check_detects_a_changed_punica_op(monkeypatch):
+    import vllm.lora.ops.torch_ops as reference
+
+    monkeypatch.setattr(reference, "bgmv_shrink", lambda inputs, weights, out, indices: None)
+    with pytest.raises(VllmCompatError, match="bgmv_shrink now takes"):
+        cpu_lora_ops.install_fast_cpu_lora_ops()
+
+
 def test_fast_ops_are_installed_into_vllms_cpu_wrapper():
     import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
 
@@ -286,7 +303,7 @@ def test_hotswap_recycles_only_what_reproduces_vllms_build(monkeypatch, fold):
         swap.add(manager, int_id, _fake_version(int_id), config)
         if int_id > 1:
             swap.remove(manager, int_id - 1)
-    assert swap.stats["recycled"] == (2 if fold else 0) and swap.stats["built"] == (2 if fold else 4)
+    assert swap.stats.recycled == (2 if fold else 0) and swap.stats.built == (2 if fold else 4)
     expected = _fake_build(manager, 99, _fake_version(4), config)
     manager._adapter_manager.add_adapter(expected)  # the same merge
     got = manager._adapter_manager.get_adapter(4)

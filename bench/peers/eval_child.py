@@ -47,24 +47,24 @@ def score_snapshots(config: Any, snaps: list[dict[str, Any]]) -> list[dict[str, 
     from lora_async.adapters import load_peft_dir
     from lora_async.config import vllm_rank
     from lora_async.evaluate import eval_engine
-    from lora_async.tasks import make_task
+    from lora_async.tasks import make_source
 
-    task = make_task(config.task, config.run.seed)
     spec = config.adapter_specs[0]
+    source = make_source(spec, config, config.run.seed)
     rank = max(int(load_peft_dir(Path(s["path"]))[1].get("r", config.lora.rank)) for s in snaps)
     rows = []
     try:
         with eval_engine(config, vllm_rank(rank)) as engine:
             for version, snap in enumerate(snaps):
                 engine.load_dir(EVAL_SLOT, version, Path(snap["path"]))
-                result = engine.run(task, spec, config, EVAL_SLOT)
+                result = engine.run(source, EVAL_SLOT)
                 rows.append({"kind": "eval", "when": snap["when"], "adapter": ADAPTER, "step": snap["step"],
                              "version": snap["step"], "wall_s": snap["wall_s"], "accuracy": result.accuracy,
                              "mean_reward": result.mean_reward, "n": result.n})
                 print(f"step {snap['step']:>4}  wall {snap['wall_s']:>7.1f}s  accuracy {result.accuracy:.3f}  "
                       f"(n={result.n}) e.g. {result.examples[:1]}", flush=True)
     finally:
-        task.close()
+        source.close()
     return rows
 
 

@@ -46,14 +46,15 @@ def run_gen_bench(model: str, prompts: int = 64, tokens: int = 64, reps: int = 3
     from ..generator.engine import EngineSpec, VllmGenerator
     from ..models import resolve_model
     from ..placement import Placement, parse_cpus
+    from ..staleness import StalenessWindow
     from ..sync.transports import ShmTransport
     from .sync import _adapter
 
     model_dir: Path = resolve_model(model)
     adapter = _adapter(model_dir, 8)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for label, with_lora, fast in CONFIGS:
-        spec = EngineSpec(model_dir=model_dir, adapters=("bench",), max_staleness=0, max_lora_rank=8,
+        spec = EngineSpec(model_dir=model_dir, adapters=("bench",), window=StalenessWindow(0), max_lora_rank=8,
                           kv_cache_gb=1.0, max_model_len=512, seed=0, fast_cpu_lora=fast,
                           separate_process=True, max_num_seqs=prompts)
         with VllmGenerator(spec, Placement("cpu", parse_cpus(cpus) if cpus else None)) as gen:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from ..dtypes import resolve_dtype
 from ..placement import available_cpus
+from ..staleness import StalenessWindow
 from .gen import _round
 
 
@@ -37,7 +38,7 @@ def _publish_row(model_dir: Path, model: str, replicas: int, versions: int, rank
     from ..sync.objectstore import RayTransport
     from .sync import _adapter
 
-    spec = EngineSpec(model_dir=model_dir, adapters=("bench",), max_staleness=1, max_lora_rank=max(rank, 8),
+    spec = EngineSpec(model_dir=model_dir, adapters=("bench",), window=StalenessWindow(1), max_lora_rank=max(rank, 8),
                       kv_cache_gb=0.5, max_model_len=512, seed=0, dtype=resolve_dtype("auto", "cpu"))
     adapter = _adapter(model_dir, rank)
     began = time.perf_counter()
@@ -63,8 +64,9 @@ def _publish_pieces(model_dir: Path, rank: int, repeats: int = 12) -> dict[str, 
     import ray
     import torch
 
-    from ..sync.pack import checksum, pack
-    from ..sync.receive import receive_object
+    from ..handoff.packed import checksum
+    from ..handoff.receive import receive_object
+    from ..sync.pack import pack
     from .sync import _adapter
 
     adapter = _adapter(model_dir, rank)
@@ -80,10 +82,10 @@ def _publish_pieces(model_dir: Path, rank: int, repeats: int = 12) -> dict[str, 
 
     for _ in range(repeats):
         packed = timed("pack", lambda: pack(adapter, dtype, out=out))
-        packed.checksum = timed("checksum", lambda: checksum(packed.buffer))
+        meta = replace(packed.meta, checksum=timed("checksum", lambda: checksum(packed.buffer)))
         ref = timed("ray_put", lambda: ray.put(packed.buffer.numpy()))
         array = timed("ray_get", lambda: ray.get(ref))
-        timed("receive", lambda: receive_object(packed.meta(), array))
+        timed("receive", lambda: receive_object(meta, array))
     return {f"{key}_ms": statistics.median(values) for key, values in times.items()}
 
 
@@ -125,8 +127,9 @@ def run_ray_bench(model: str, replica_counts: list[int], versions: int = 12, ran
 
     cores = len(available_cpus())
     adapter = _adapter(model_dir, 8)
-    spec = EngineSpec(model_dir=model_dir, adapters=("bench",), max_staleness=0, max_lora_rank=8, kv_cache_gb=1.0,
-                      max_model_len=512, seed=0, max_num_seqs=prompts, dtype=resolve_dtype("auto", "cpu"))
+    spec = EngineSpec(model_dir=model_dir, adapters=("bench",), window=StalenessWindow(0), max_lora_rank=8,
+                      kv_cache_gb=1.0, max_model_len=512, seed=0, max_num_seqs=prompts,
+                      dtype=resolve_dtype("auto", "cpu"))
 
     def via(transport_class: Any) -> Callable[[Any], None]:
         return lambda gen: transport_class(gen).publish(adapter)

@@ -16,13 +16,17 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
 from ..adapters import save_peft_dir
 from ..generator.types import AdapterVersion, GenRequest
 
+if TYPE_CHECKING:
+    from ..generator.engine import VllmGenerator
+
+P = TypeVar("P")  # what one publish takes: a version, or a whole state dict
 PROBE_TOKENS = 1  # "first generation returns": one new token
 BASELINE_REPS = 5
 
@@ -102,8 +106,10 @@ def _fresh_prompts() -> Callable[[], list[int]]:
     return fresh
 
 
-def _measure(gen: Any, label: str, rank: int | None, publish: Callable[[Any], Any], adapter_name: str | None,
-             versions: int, fresh: Callable[[], list[int]]) -> dict[str, Any]:
+def _measure(gen: Any, label: str, rank: int | None, prepare: Callable[[int], P], publish: Callable[[P], Any],
+             adapter_name: str | None, versions: int, fresh: Callable[[], list[int]]) -> dict[str, Any]:
+    """Publish versions 1..`versions` (each `prepare(v)`, what exists before "tensors ready", made
+    before the clock starts) and time each until a generation on it is done."""
     from .common import blocking_generate
 
     def probe() -> float:
@@ -112,12 +118,11 @@ def _measure(gen: Any, label: str, rank: int | None, publish: Callable[[Any], An
         assert result.ok, result.error
         return time.perf_counter() - started
 
-    prepare = getattr(publish, "prepare", lambda v: v)  # what exists before "tensors ready"
     publish(prepare(0))  # warm this path up
     probe()
     swaps, publishes, size = [], [], 0
     for v in range(1, versions + 1):
-        payload = prepare(v)  # the learner's new tensors: made before the clock starts
+        payload = prepare(v)  # the learner's new tensors
         started = time.perf_counter()
         stats = publish(payload)
         registered = time.perf_counter()
@@ -132,12 +137,6 @@ def _measure(gen: Any, label: str, rank: int | None, publish: Callable[[Any], An
             "publish_p50_ms": statistics.median(publishes)}
 
 
-def _prepared(publish: Callable[[AdapterVersion], Any], make: Callable[[int], AdapterVersion]) -> Any:
-    """`publish` with `make` attached as the untimed preparation of version v."""
-    def timed(version: AdapterVersion) -> Any:
-        return publish(version)
-    timed.prepare = make  # type: ignore[attr-defined]
-    return timed
 
 
 def _versions_of(adapter: AdapterVersion, name: str) -> Callable[[int], AdapterVersion]:
@@ -152,19 +151,23 @@ def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: lis
                  adapters: dict[int, AdapterVersion], versions: int, cpus: str | None) -> list[dict[str, Any]]:
     from ..generator.engine import EngineSpec, VllmGenerator
     from ..placement import Placement, parse_cpus
+    from ..staleness import StalenessWindow
     from ..sync.collective import CollectiveTransport
-    from ..sync.transports import InprocTransport, ShmTransport
+    from ..sync.transports import InprocTransport, ShmTransport, Transport
 
     names = tuple(f"{t}-r{r}" for t in transports for r in adapters)
-    spec = EngineSpec(model_dir=model_dir, adapters=names, max_staleness=0, max_lora_rank=max_rank,
+    spec = EngineSpec(model_dir=model_dir, adapters=names, window=StalenessWindow(0), max_lora_rank=max_rank,
                       kv_cache_gb=1.0, max_model_len=512, seed=0, separate_process=separate)
     fresh = _fresh_prompts()
     rows = []
     placement = Placement("cpu", parse_cpus(cpus) if cpus else None)
     with VllmGenerator(spec, placement) as gen:
+        senders: dict[str, Callable[[], Transport]] = {
+            "inproc": lambda: InprocTransport(gen), "shm": lambda: ShmTransport(gen),
+            "gloo": lambda: CollectiveTransport(gen, backend="gloo")}
         for transport in transports:
             if transport == "full-reload":
-                rows.append(_measure(gen, transport, None, _full_reload(gen, model_dir), None, versions, fresh))
+                rows.append(_measure(gen, transport, None, *_full_reload(gen, model_dir), None, versions, fresh))
                 continue
             for rank, adapter in adapters.items():
                 name = f"{transport}-r{rank}"
@@ -175,17 +178,14 @@ def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: lis
                     def publish(version: AdapterVersion, root: Path = root, name: str = name) -> Any:
                         path = save_peft_dir(root / f"v{version.version}", version.tensors, version.peft_config)
                         return gen.publish_dir(name, version.version, path)
-                    publish.prepare = make  # type: ignore[attr-defined]
                     try:
-                        rows.append(_measure(gen, transport, rank, publish, name, versions, fresh))
+                        rows.append(_measure(gen, transport, rank, make, publish, name, versions, fresh))
                     finally:
                         shutil.rmtree(root, ignore_errors=True)
                     continue
-                sender = {"inproc": lambda: InprocTransport(gen), "shm": lambda: ShmTransport(gen),
-                          "gloo": lambda: CollectiveTransport(gen, backend="gloo")}[transport]()
+                sender = senders[transport]()
                 try:
-                    rows.append(_measure(gen, transport, rank, _prepared(sender.publish, make), name, versions,
-                                         fresh))
+                    rows.append(_measure(gen, transport, rank, make, sender.publish, name, versions, fresh))
                 finally:
                     sender.close()
     return rows
@@ -195,18 +195,18 @@ def _with_server(model_dir: Path, max_rank: int, adapters: dict[int, AdapterVers
                  versions: int, cpus: str | None) -> list[dict[str, Any]]:
     from ..generator.server import ServerClient, ServerGenerator
     from ..serve import training_server
+    from ..staleness import StalenessWindow
     from ..sync.http import HttpTransport
 
     rows = []
     with training_server(model_dir, max_rank, max_loras=4, max_model_len=512, cpus=cpus) as url, \
             tempfile.TemporaryDirectory(dir="/dev/shm") as sync_dir, \
-            ServerGenerator(ServerClient([url]), model_dir, 0, max_rank) as gen:
+            ServerGenerator(ServerClient([url]), model_dir, StalenessWindow(0), max_rank) as gen:
         transport = HttpTransport(gen, Path(sync_dir))
         fresh = _fresh_prompts()
         for rank, adapter in adapters.items():
             make = _versions_of(adapter, f"http-r{rank}")
-            rows.append(_measure(gen, "http", rank, _prepared(transport.publish, make), f"http-r{rank}",
-                                 versions, fresh))
+            rows.append(_measure(gen, "http", rank, make, transport.publish, f"http-r{rank}", versions, fresh))
     return rows
 
 
@@ -247,20 +247,21 @@ def _torch_copy(adapter: AdapterVersion, rank: int, versions: int, cpus: str | N
             "publish_p50_ms": statistics.median(times)}
 
 
-def _full_reload(gen: Any, model_dir: Path) -> Callable[[dict], int]:
+def _full_reload(gen: VllmGenerator, model_dir: Path
+                 ) -> tuple[Callable[[int], dict[str, torch.Tensor]], Callable[[dict[str, torch.Tensor]], int]]:
+    """(prepare, publish) of the full-weight row: the base state dict through vLLM's reload."""
     from safetensors.torch import load_file
 
     state = {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     size = sum(t.numel() * t.element_size() for t in state.values())
 
-    def prepare(v: int) -> dict:
+    def prepare(v: int) -> dict[str, torch.Tensor]:
         return {k: t.clone() for k, t in state.items()}  # what a learner would hand over
 
-    def publish(tensors: dict) -> int:
+    def publish(tensors: dict[str, torch.Tensor]) -> int:
         if gen.spec.separate_process:
             raise RuntimeError("the full-weight row runs on the in-process engine")
         gen.run_in_engine(lambda client: client.load_base_weights(tensors))
         return size
 
-    publish.prepare = prepare  # type: ignore[attr-defined]
-    return publish
+    return prepare, publish

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -137,7 +136,7 @@ def adapters_list(
     from ..adapters import AdapterStore
 
     store = AdapterStore(run_dir)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in store.names():
         versions = store.versions(name)
         if not versions:
@@ -225,4 +224,4 @@ def main() -> None:  # pragma: no cover - console entry
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

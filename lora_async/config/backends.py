@@ -36,9 +36,14 @@ class GeneratorBase(Section):
     max_model_len: int = Field(1024, ge=64, le=1_048_576, description="Prompt + completion token limit.")
 
     @property
+    def engine_home(self) -> EngineHome:
+        """Where the engine lives (each generator type says)."""
+        raise NotImplementedError
+
+    @property
     def engine_here(self) -> bool:
         """The engine runs on this machine, placed by this run (not servers, not Ray replicas)."""
-        return self.engine_home in ("same", "separate")  # type: ignore[attr-defined]
+        return self.engine_home in ("same", "separate")
 
 
 class EngineSettings(GeneratorBase):

@@ -14,7 +14,7 @@ import tomllib
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Union, get_args, get_origin
+from typing import Annotated, Any, Iterator, Sequence, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -197,7 +197,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | os.PathLike[str] | None, overrides: list[str] = ()) -> TrainConfig:
+def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> TrainConfig:
     """Read TOML (or defaults when path is None), apply `--set` overrides, validate."""
     source = str(path) if path is not None else "<defaults>"
     data: dict[str, Any] = {}

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from .backends import (DEFAULT_SYNC, ENGINE_HOME_TEXT, GeneratorConfig, RayConfig, SyncBase, SyncConfig,
+from .backends import (DEFAULT_SYNC, ENGINE_HOME_TEXT, EngineSettings, GeneratorConfig, RayConfig, SyncBase, SyncConfig,
                        VllmGeneratorConfig)
 from .sections import (
     AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, LossConfig, ModelConfig, RunConfig, SamplingConfig,
@@ -160,6 +160,12 @@ class TrainConfig(Section):
     @property
     def max_lora_rank(self) -> int:
         return vllm_rank(max(spec.lora.rank for spec in self.adapter_specs))
+
+    @property
+    def engine_settings(self) -> EngineSettings | None:
+        """How this run's own vLLM engines are built (one in this process or its own, or each Ray
+        replica's); None when it drives running servers instead."""
+        return self.generator if isinstance(self.generator, EngineSettings) else None
 
     @property
     def sync_config(self) -> SyncBase:

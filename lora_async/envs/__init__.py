@@ -4,7 +4,8 @@
     tools.py     tool schemas (transformers' get_json_schema), call parsing, guarded tool workers
     render.py    the chat template as token deltas (nothing in the context is re-tokenised)
     episode.py   one episode: turns on the newest version, partial rollouts, faults as outcomes
-    source.py    a `[task] type = "env"`: the factory loaded by module path, checked at startup
+    source.py    a `[task] type = "env"` as a rollout source: the factory loaded by module path and
+                 checked at startup; groups of episodes played at once; greedy held-out episodes
     builtin/     environments that ship with lora-async (calculator, guess)
 """
 

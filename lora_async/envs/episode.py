@@ -20,12 +20,16 @@ import asyncio
 import inspect
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..generator.types import GenRequest, GenResult, GenStatus
+from ..rollout import Generate, Outcome
 from .api import Message, Reply, StepResult, ToolResult
 from .render import ChatRenderer
 from .tools import ToolBox, parse_tool_calls, strip_tool_calls
+
+if TYPE_CHECKING:
+    from ..config import AdapterSpec, TrainConfig
 
 
 class EpisodeError(Exception):
@@ -54,7 +58,7 @@ class Trajectory:
     messages: list[Message] = field(default_factory=list)
     opened: int = 0  # how many of `messages` are the opening
     reward: float = 0.0
-    outcome: str = "running"  # done | max_turns | truncated | env_error
+    outcome: Outcome = Outcome.RUNNING
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -85,11 +89,17 @@ class Trajectory:
         return min(sampled) if sampled else None
 
     @property
+    def version_span(self) -> int:
+        """Newest minus oldest version among the sampled tokens (0 for one version)."""
+        sampled = [v for v, t in zip(self.versions, self.trained) if t]
+        return max(sampled) - min(sampled) if sampled else 0
+
+    @property
     def success(self) -> bool:
         """`info["success"]` when the environment says; otherwise a finished episode with reward >= 1."""
         if "success" in self.info:
             return bool(self.info["success"])
-        return self.outcome == "done" and self.reward >= 1.0
+        return self.outcome is Outcome.DONE and self.reward >= 1.0
 
 
 @dataclass(frozen=True)
@@ -103,10 +113,11 @@ class EpisodeSettings:
     partial: bool  # continue stopped turns on the newest version (else they end the episode)
 
     @classmethod
-    def for_adapter(cls, config: Any, spec: Any, greedy: bool = False) -> "EpisodeSettings":
-        """Training episodes of one adapter (`config.TrainConfig`, `config.AdapterSpec`), or its
-        greedy held-out episodes (`run.eval_max_tokens` per reply, no partial rollouts)."""
+    def for_adapter(cls, config: "TrainConfig", spec: "AdapterSpec", greedy: bool = False) -> "EpisodeSettings":
+        """Training episodes of one adapter, or its greedy held-out episodes (`run.eval_max_tokens`
+        per reply, no partial rollouts). `spec.task` is an environment task."""
         sampling, task = spec.sampling, spec.task
+        assert task.type == "env", f"{spec.name}: not an environment task"
         return cls(max_turns=task.max_turns, max_tokens=spec.eval_max_tokens if greedy else sampling.max_new_tokens,
                    max_model_len=config.generator.max_model_len,
                    temperature=0.0 if greedy else sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
@@ -157,7 +168,7 @@ class Episode:
     """Plays one environment to its end on one adapter."""
 
     def __init__(self, env: Any, renderer: ChatRenderer, toolbox: ToolBox | None, settings: EpisodeSettings,
-                 generate: Callable[[GenRequest], Awaitable[GenResult]], adapter: str | None,
+                 generate: Generate, adapter: str | None,
                  tag: object, group: object = None) -> None:
         """`tag` goes on every request (the orchestrator's rollout tag: what `abort_older` stops);
         so does `group`, shared by the episodes of one group (a generator with replicas keeps
@@ -176,9 +187,9 @@ class Episode:
         try:
             await self._turns(traj)
         except ContextFull:
-            traj.outcome, traj.reward = "truncated", 0.0
+            traj.outcome, traj.reward = Outcome.TRUNCATED, 0.0
         except EpisodeError as exc:
-            traj.outcome, traj.error, traj.reward = "env_error", str(exc), 0.0
+            traj.outcome, traj.error, traj.reward = Outcome.ENV_ERROR, str(exc), 0.0
         return traj
 
     async def _turns(self, traj: Trajectory) -> None:
@@ -195,10 +206,10 @@ class Episode:
             check_messages(result.messages, "step")
             traj.reward, traj.info = float(result.reward), dict(result.info)
             if result.done:
-                traj.outcome = "done"
+                traj.outcome = Outcome.DONE
                 return
             if turn == s.max_turns:
-                traj.outcome = "max_turns"
+                traj.outcome = Outcome.MAX_TURNS
                 return
             new = tool_messages + list(result.messages)
             delta = self.renderer.delta(new, reply_ids)

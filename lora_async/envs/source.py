@@ -1,5 +1,11 @@
-"""An environment task: the user's factory loaded by module path, its tools, and the held-out
-split; what the orchestrator and `evaluate` play episodes from.
+"""An environment task as a rollout source: the user's factory loaded by module path, its tools,
+and the held-out split.
+
+A training group is `samples_per_prompt` episodes of one problem, played concurrently, each turn
+on the newest version (see `episode.py`). An episode the environment broke (`env_error`) scores
+0 and is counted, and is left out of the group's training: its tokens say nothing about the
+policy. Without partial rollouts, an episode whose turn was aborted as stale drops its whole
+group, as single-turn groups are dropped. Held-out evaluation plays greedy episodes.
 
 Loading checks everything that can be checked before an engine starts: the module imports, the
 object is callable, what it builds has `reset` and `step`, and its tools have JSON schemas. Any
@@ -13,19 +19,21 @@ import importlib
 import math
 import os
 import sys
-from typing import Any, Awaitable, Callable
+from typing import Any
 
+from ..buffer import Group, TrainSample, group_advantages
 from ..config import EnvTask
-from ..generator.types import GenRequest, GenResult
-from ..tasks.problems import RewardStats
-from ..tasks.rewards import RewardFailed
+from ..rollout import (EVAL_EXAMPLES, EpisodeStats, EvalResult, Generate, GroupRollout, Outcome, RewardStats,
+                       RolloutContext)
+from ..tasks.rewards import Reward, RewardFailed
 from .api import Split, check_env
-from .episode import Episode, EpisodeError, EpisodeSettings, Trajectory, guarded
+from .episode import Episode, EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, guarded
 from .render import ChatRenderer
 from .tools import ToolBox, ToolError, tool_schemas
 
 
 REWARD_FIELDS = ("prompt", "completion", "answer", "messages", "turns", "tool_calls", "env_reward")  # + info
+MIN_EPISODES = 2  # a group needs two scored episodes for a group-normalised advantage
 
 
 class EnvLoadError(ValueError):
@@ -53,12 +61,15 @@ def load_object(spec: str, where: str) -> Any:
 
 
 class EnvSource:
-    """One adapter's environment task."""
+    """One adapter's environment task (`rollout.RolloutSource`): `settings` for its training
+    episodes, `group_size` of them per group, `eval_settings` for held-out ones."""
 
     name = "env"
 
-    def __init__(self, config: EnvTask, seed: int, where: str = "task.env") -> None:
+    def __init__(self, config: EnvTask, seed: int, where: str, adapter: str, settings: EpisodeSettings,
+                 eval_settings: EpisodeSettings, group_size: int) -> None:
         self.config, self.seed, self.where = config, seed, where
+        self.adapter, self.settings, self.eval_settings, self.group_size = adapter, settings, eval_settings, group_size
         self.system_prompt = config.system_prompt
         self.stats = RewardStats()  # calls: episodes ended; errors: environment faults
         self.factory = load_object(config.env, where)
@@ -77,7 +88,7 @@ class EnvSource:
         self.reward = self._user_reward()
         self._renderers: dict[int, ChatRenderer] = {}
 
-    def _user_reward(self) -> Callable[..., float] | None:
+    def _user_reward(self) -> Reward | None:
         if self.config.reward is None:
             return None
         from ..tasks.rewards import make_reward
@@ -87,6 +98,10 @@ class EnvSource:
     def heldout(self) -> list[int]:
         """Indices of the held-out episodes (split "eval")."""
         return list(range(self.config.heldout))
+
+    @property
+    def heldout_size(self) -> int:
+        return self.config.heldout
 
     def renderer(self, tokenizer: Any) -> ChatRenderer:
         key = id(tokenizer)
@@ -117,9 +132,56 @@ class EnvSource:
         except (EpisodeError, TypeError, KeyError):
             return None
 
-    async def play(self, index: int, split: Split, tokenizer: Any, settings: EpisodeSettings,
-                   generate: Callable[[GenRequest], Awaitable[GenResult]], adapter: str | None,
-                   tag: object, group: object = None) -> Trajectory:
+    async def probe_prompt(self, tokenizer: Any) -> list[int] | None:
+        """The first held-out episode's opening."""
+        return await self.opening_ids(0, "eval", tokenizer)
+
+    async def rollout(self, index: int, ctx: RolloutContext) -> GroupRollout:
+        """Play, score and package one group of episodes."""
+        group_key = (self.adapter, index)  # its episodes share a replica where there are several
+        played = await asyncio.gather(*(self.play(index, "train", ctx.tokenizer, self.settings, ctx.generate,
+                                                  self.adapter, ctx.tag, group_key) for _ in range(self.group_size)),
+                                      return_exceptions=True)
+        unexpected = [p for p in played if isinstance(p, BaseException) and not isinstance(p, EpisodeAborted)]
+        if unexpected:
+            raise unexpected[0]
+        episodes = [p for p in played if isinstance(p, Trajectory)]
+        stats = EpisodeStats.of(episodes)
+        broken = next((t for t in episodes if t.outcome is Outcome.ENV_ERROR), None)
+        fault = None if broken is None else ("the environment failed (the episode scores 0 and is not trained on; "
+                                             f"counted as env_errors): {broken.error}")
+        aborted = next((p for p in played if isinstance(p, EpisodeAborted)), None)
+        if aborted is not None:
+            return GroupRollout.failed(aborted.result, episodes=stats, fault=fault)
+        tokens = sum(sum(t.trained) for t in episodes)
+        scored = [(t, oldest) for t in episodes
+                  if t.outcome is not Outcome.ENV_ERROR and (oldest := t.oldest_version) is not None]
+        if len(scored) < MIN_EPISODES:
+            return GroupRollout.failed(tokens=tokens, episodes=stats, fault=fault)
+        advantages = group_advantages([t.reward for t, _ in scored])
+        samples = [TrainSample(self.adapter, oldest, t.prompt_ids, t.ids, t.logprobs, t.reward, advantage, t.outcome,
+                               trained=t.trained, versions=t.versions)
+                   for (t, oldest), advantage in zip(scored, advantages)]
+        group = Group(self.adapter, min(s.version for s in samples), index, samples, episodes=stats)
+        return GroupRollout(group, tokens=tokens, episodes=stats, fault=fault)
+
+    async def evaluate(self, generate: Generate, tokenizer: Any, adapter: str | None, limit: int = 0) -> EvalResult:
+        """Greedy episodes on the held-out split: success rate (`accuracy`), turns and tool use."""
+        played = await asyncio.gather(*(self.play(i, "eval", tokenizer, self.eval_settings, generate, adapter, None)
+                                        for i in self.heldout()[: limit or None]), return_exceptions=True)
+        failed = next((p for p in played if isinstance(p, BaseException)), None)
+        if failed is not None:
+            raise RuntimeError(f"evaluation episode failed: {failed}")
+        episodes = [p for p in played if isinstance(p, Trajectory)]
+        n, stats = len(episodes), EpisodeStats.of(episodes)
+        versions = [v for t in episodes for v, trained in zip(t.versions, t.trained) if trained]
+        return EvalResult(adapter=adapter, version=max(versions) if adapter is not None and versions else None,
+                          accuracy=stats.successes / n if n else 0.0,
+                          mean_reward=sum(t.reward for t in episodes) / n if n else 0.0, n=n,
+                          examples=[transcript(t) for t in episodes[:EVAL_EXAMPLES]], extra=stats.eval_figures())
+
+    async def play(self, index: int, split: Split, tokenizer: Any, settings: EpisodeSettings, generate: Generate,
+                   adapter: str | None, tag: object, group: object = None) -> Trajectory:
         """One episode of problem `index`. Environment faults end it as `env_error` (counted);
         generation faults raise `EpisodeAborted`."""
         try:
@@ -127,16 +189,15 @@ class EnvSource:
             trajectory = await Episode(env, self.renderer(tokenizer), self.toolbox, settings, generate, adapter,
                                        tag, group).play()
         except (EpisodeError, TypeError) as exc:
-            trajectory = Trajectory([], outcome="env_error", error=str(exc))
-        if trajectory.outcome == "done" and self.reward is not None:
-            trajectory.reward = await self._score(trajectory)
-        if trajectory.outcome == "env_error":
+            trajectory = Trajectory([], outcome=Outcome.ENV_ERROR, error=str(exc))
+        if trajectory.outcome is Outcome.DONE and self.reward is not None:
+            trajectory.reward = await self._score(self.reward, trajectory)
+        if trajectory.outcome is Outcome.ENV_ERROR:
             self.stats.record_error(f"{self.config.env}: {trajectory.error}")
         self.stats.calls += 1
         return trajectory
 
-    async def _score(self, trajectory: Trajectory) -> float:
-        assert self.reward is not None
+    async def _score(self, reward: Reward, trajectory: Trajectory) -> float:
         users = [m["content"] for m in trajectory.messages[: trajectory.opened] if m["role"] == "user"]
         replies = [m["content"] for m in trajectory.messages[trajectory.opened:] if m["role"] == "assistant"]
         fields = {"prompt": users[-1] if users else "", "completion": replies[-1] if replies else "",
@@ -144,7 +205,7 @@ class EnvSource:
                   "turns": trajectory.turns, "tool_calls": trajectory.tool_calls, "env_reward": trajectory.reward,
                   **trajectory.info}
         try:
-            value = float(await asyncio.to_thread(lambda: self.reward(**fields)))
+            value = float(await asyncio.to_thread(lambda: reward(**fields)))
             if not math.isfinite(value):
                 raise ValueError(f"reward is {value}")
         except RewardFailed as exc:
@@ -158,6 +219,12 @@ class EnvSource:
     def close(self) -> None:
         if self.toolbox is not None:
             self.toolbox.close()
-        close = getattr(self.reward, "close", None)
-        if close is not None:
-            close()
+        if self.reward is not None:
+            self.reward.close()
+
+
+def transcript(t: Trajectory) -> tuple[str, str, str]:
+    """(the opening's last user message, the conversation after it, the outcome): an eval example."""
+    opening = next((m["content"] for m in reversed(t.messages[: t.opened]) if m["role"] == "user"), "")
+    lines = [f"[{m['role']}] {m['content']}" for m in t.messages[t.opened:]]
+    return opening, "\n".join(lines), f"{t.outcome}, reward {t.reward:g}"

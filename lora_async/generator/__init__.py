@@ -1,15 +1,18 @@
 """The generator: vLLM serving many adapter versions at once.
 
 `types` is the contract (`Generator` protocol, requests, typed results, deliveries);
+`receivers` what a delivery loads a version into, one protocol per engine home;
 `engine.VllmGenerator` owns an in-process vLLM engine; `server.ServerGenerator` drives remote
-`vllm serve` replicas; `ray.RayGenerator` runs engine replicas as Ray actors; `registry` and `validate` are the bookkeeping and the checks both share;
-`vllm/` is the one place that touches vLLM itself.
+`vllm serve` replicas; `ray.generator.RayGenerator` runs engine replicas as Ray actors;
+`registry` (the version bookkeeping and the one register routine), `spec` and `validate` are
+what they share; `vllm/` is the one place that touches vLLM itself. Nothing here imports
+`sync/` (the senders): what both sides share is in `handoff/`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .types import (AdapterVersion, Delivery, GenRequest, GenResult, Generator, GeneratorDead, GeneratorStats,
                     GenStatus, PublishStats, Sample, generate_async)
@@ -22,17 +25,20 @@ if TYPE_CHECKING:
     from ..placement import Placement
 
 
-def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement") -> Generator:
+def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement") -> Generator[Any]:
     """The generator `[generator]` names: an engine of our own ("vllm"), remote servers ("server"),
     or engine replicas on Ray ("ray")."""
-    if config.generator.engine_home == "ray":
+    from ..config import RayGeneratorConfig, ServerGeneratorConfig
+
+    gen = config.generator
+    if isinstance(gen, RayGeneratorConfig):
         from .ray.generator import RayGenerator
 
-        return RayGenerator.from_config(config, model_dir)
-    if config.generator.engine_home == "server":
+        return RayGenerator.from_config(config, gen, model_dir)
+    if isinstance(gen, ServerGeneratorConfig):
         from .server import ServerGenerator
 
-        return ServerGenerator.from_config(config, model_dir)
+        return ServerGenerator.from_config(config, gen, model_dir)
     from .engine import EngineSpec, VllmGenerator
 
     return VllmGenerator(EngineSpec.from_config(config, model_dir, placement.device), placement)

@@ -1,10 +1,11 @@
 """The vLLM multi-LoRA generator: one engine, many live adapter versions, no pauses.
 
-One thread owns the engine (through `vllm.client.EngineClient`). Everything else talks to that
-thread through a queue of commands (closures), which it runs *between* engine steps: a new
-version is registered while requests on older versions keep decoding (a sync is "pack -> hand
-over -> register", never a pause or a restart). Requests report the version they started on;
-the registry counts them in flight and retires versions that are drained and out of the window.
+One thread owns the engine (through `vllm.client.EngineClient`, this generator's receiver).
+Everything else talks to that thread through a queue of commands (closures), which it runs
+*between* engine steps: a new version is registered while requests on older versions keep
+decoding (a sync is "pack -> hand over -> register", never a pause or a restart). Requests
+report the version they started on; the registry counts them in flight and retires versions
+that are drained and out of the window.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ..placement import Placement, pin_current_thread
-from .registry import LiveVersion, VersionRegistry
+from .registry import LiveVersion, VersionRegistry, register_version
 from .spec import EngineSpec
 from .types import (AdapterVersion, Delivery, GenRequest, GenResult, GeneratorDead, GeneratorStats, GenStatus,
                     PublishStats, Sample, hand_back)
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from .vllm.client import EngineClient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 IDLE_WAIT_S = 0.05  # how long the idle engine thread blocks on its queue before re-checking
 STARTUP_TIMEOUT_S = 900.0  # engine start on a slow CPU with a larger model
@@ -61,18 +63,18 @@ class _Command:
     when the engine is dead or closing."""
 
     run: Callable[[], Any]
-    future: Future | None = None
+    future: Future[Any] | None = None
     refuse: Callable[[GenStatus, str], None] | None = None
 
 
 class VllmGenerator:
-    """An in-process vLLM engine on its own thread (implements `types.Generator`)."""
+    """An in-process vLLM engine on its own thread (implements `types.Generator[EngineClient]`)."""
 
     def __init__(self, spec: EngineSpec, placement: Placement) -> None:
         self.spec = spec
         self.placement = placement
         self.stats = GeneratorStats()
-        self.registry = VersionRegistry(spec.max_staleness, spec.max_cpu_loras)
+        self.registry = VersionRegistry(spec.window, spec.max_cpu_loras)
         self.check = VersionCheck(BaseShapes.from_model_dir(spec.model_dir), spec.max_lora_rank, self.registry,
                                   self.stats)
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()  # None: stop
@@ -82,12 +84,16 @@ class VllmGenerator:
         self._stopping = False
         self._client: EngineClient | None = None
         self._tokenizer: Any = None
-        self._ready: Future = Future()
+        self._ready: Future[bool] = Future()
         self._thread = threading.Thread(target=self._run, name="lora-async-generator", daemon=True)
         self._thread.start()
         self._ready.result(timeout=STARTUP_TIMEOUT_S)
 
     # ------------------------------------------------------------------ the Generator protocol
+    @property
+    def serving_dtype(self) -> str:
+        return self.spec.dtype
+
     def submit(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
         self._check_alive()
         self._commands.put(_Command(lambda: self._add_request(request, on_done),
@@ -96,11 +102,15 @@ class VllmGenerator:
     def validate(self, version: AdapterVersion, values: bool = True) -> None:
         self.check(version, values)
 
-    def register(self, delivery: Delivery) -> PublishStats:
+    def register(self, delivery: Delivery[EngineClient]) -> PublishStats:
         """Run `delivery.load` on the engine thread between steps; then new requests use it."""
         self._check_alive()
         queued = time.perf_counter()
         return self._call(lambda: self._register(delivery, queued))
+
+    def with_receiver(self, fn: Callable[[EngineClient], T]) -> T:
+        """Run fn(engine client) on the engine thread between steps."""
+        return self._call(lambda: fn(self._engine))
 
     def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
         if self._dead is None and self._thread.is_alive():
@@ -122,8 +132,11 @@ class VllmGenerator:
             raise AdapterError(f"{path} is not a PEFT adapter directory")
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
         name = f"{adapter}@v{version}"
-        return self.register(Delivery(adapter, version, size, "peft-dir",
-                                      lambda client, int_id: client.add_dir(name, int_id, str(path)), path=str(path)))
+
+        def load(client: EngineClient, int_id: int) -> None:
+            client.add_dir(name, int_id, str(path))
+
+        return self.register(Delivery(adapter, version, size, "peft-dir", load, path=str(path)))
 
     def engine_lora_ids(self) -> list[int]:
         return self.run_in_engine(lambda client: client.lora_ids())
@@ -135,9 +148,9 @@ class VllmGenerator:
     def in_flight(self) -> int:
         return self._call(lambda: len(self._pending))
 
-    def run_in_engine(self, fn: Callable[["EngineClient"], Any]) -> Any:
-        """Run fn(engine client) on the engine thread between steps."""
-        return self._call(lambda: fn(self._engine))
+    def run_in_engine(self, fn: Callable[[EngineClient], T]) -> T:
+        """`with_receiver` by its vLLM name: fn(engine client) on the engine thread between steps."""
+        return self.with_receiver(fn)
 
     @property
     def tokenizer(self) -> Any:
@@ -217,8 +230,8 @@ class VllmGenerator:
         if command.future is not None:
             command.future.set_exception(GeneratorDead(reason))
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        future: Future = Future()
+    def _call(self, fn: Callable[[], T]) -> T:
+        future: Future[T] = Future()
         self._commands.put(_Command(fn, future))
         return future.result()
 
@@ -229,25 +242,11 @@ class VllmGenerator:
             raise GeneratorDead("generator is closed")
 
     # ---- versions
-    def _register(self, delivery: Delivery, queued: float) -> PublishStats:
-        dequeued = time.perf_counter()
-        registry = self.registry
-        registry.check_new(delivery.adapter, delivery.version)
-        if registry.is_full():
-            self._evict(registry.oldest_outside_window())
-        int_id = registry.reserve_id()  # consumed even if the load fails: ids are never reused
-        try:
-            delivery.load(self._engine, int_id)
-        except Exception:
-            self.stats.version_rejected()
-            raise
-        live = registry.add(delivery.adapter, delivery.version, int_id)
-        live.path = delivery.path
-        retired = [self._retire(old) for old in registry.retirable()]
-        done = time.perf_counter()
-        return PublishStats(delivery.adapter, delivery.version, live.vllm_name, int_id, delivery.nbytes,
-                            ms=(done - delivery.started - (dequeued - queued)) * 1000, retired=retired,
-                            wait_ms=(dequeued - queued) * 1000, transport=delivery.transport)
+    def _register(self, delivery: Delivery[EngineClient], queued: float) -> PublishStats:
+        """Registered between steps; the time it queued behind the step in flight is its wait."""
+        return register_version(self.registry, delivery, self._engine, self.stats, retire=self._retire,
+                                make_room=lambda: self._evict(self.registry.oldest_outside_window()),
+                                waited_ms=(time.perf_counter() - queued) * 1000)
 
     def _retire(self, live: LiveVersion) -> str:
         self._engine.remove(live.int_id)

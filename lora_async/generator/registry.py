@@ -8,12 +8,23 @@ Pure bookkeeping (no vLLM import), so the rules are unit-tested on their own:
 - new requests always take the newest version; each request is counted in flight on the
   version it started with until it finishes;
 - a version is retired once nothing in flight uses it and it is outside the staleness window
-  (older than newest - max_staleness).
+  (`StalenessWindow.retirable`).
+
+`register_version` is how every generator registers a delivered version (the engine, remote
+servers, the Ray router): each passes only what differs (a lock, making room, a queue wait).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+from ..staleness import StalenessWindow
+from .types import Delivery, GeneratorStats, PublishStats
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -34,8 +45,8 @@ class RegistryError(Exception):
 
 
 class VersionRegistry:
-    def __init__(self, max_staleness: int, capacity: int) -> None:
-        self.max_staleness = max_staleness
+    def __init__(self, window: StalenessWindow, capacity: int) -> None:
+        self.window = window
         self.capacity = capacity  # versions the engine can hold registered at once
         self._next_id = 1
         self._live: dict[str, dict[int, LiveVersion]] = {}
@@ -93,7 +104,7 @@ class VersionRegistry:
 
     # ---- retiring
     def outside_window(self, live: LiveVersion) -> bool:
-        return live.version < self._newest[live.adapter] - self.max_staleness
+        return self.window.retirable(live.version, self._newest[live.adapter])
 
     def retirable(self) -> list[LiveVersion]:
         """Versions to remove from the engine now: drained and outside the window."""
@@ -125,3 +136,37 @@ class VersionRegistry:
 
     def all_live(self) -> list[LiveVersion]:
         return [live for versions in self._live.values() for live in versions.values()]
+
+
+def register_version(registry: VersionRegistry, delivery: Delivery[R], receiver: R, stats: GeneratorStats, *,
+                     retire: Callable[[LiveVersion], str], lock: contextlib.AbstractContextManager[Any] | None = None,
+                     make_room: Callable[[], None] | None = None, waited_ms: float = 0.0) -> PublishStats:
+    """Register `delivery` with `receiver`, the one way every generator does it.
+
+    The version must be newer than the live ones; it gets a fresh int id, consumed even if the
+    load fails (ids are never reused). A load that raises counts a rejected version and
+    re-raises, leaving nothing registered. Then the version is live (new requests get it) and
+    whatever it pushed out of the window and is drained is retired (`retire` removes it from
+    the engines and returns its name). `lock` guards the registry where other threads share it
+    (it is not held while loading); `make_room` runs when the registry is full (the engine's
+    eviction). `waited_ms`: time already spent waiting for an engine step (the engine's queue),
+    added to what the load reports it waited, and kept apart from the work in `ms`."""
+    guard = lock if lock is not None else contextlib.nullcontext()
+    with guard:
+        registry.check_new(delivery.adapter, delivery.version)
+        if make_room is not None and registry.is_full():
+            make_room()
+        int_id = registry.reserve_id()
+    try:
+        load_wait_ms = delivery.load(receiver, int_id)
+    except Exception:
+        stats.version_rejected()
+        raise
+    with guard:
+        live = registry.add(delivery.adapter, delivery.version, int_id)
+        live.path = delivery.path
+        retired = [retire(old) for old in registry.retirable()]
+    wait_ms = waited_ms + (load_wait_ms or 0.0)
+    total_ms = (time.perf_counter() - delivery.started) * 1000
+    return PublishStats(delivery.adapter, delivery.version, live.vllm_name, int_id, delivery.nbytes,
+                        ms=total_ms - wait_ms, retired=retired, wait_ms=wait_ms, transport=delivery.transport)

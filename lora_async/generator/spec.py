@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..staleness import StalenessWindow
+
 if TYPE_CHECKING:
     from ..config import TrainConfig
 
@@ -18,7 +20,7 @@ class EngineSpec:
 
     model_dir: Path
     adapters: tuple[str, ...]
-    max_staleness: int
+    window: StalenessWindow  # the versions of each adapter the engine keeps live
     max_lora_rank: int
     dtype: str = "bfloat16"
     memory_fraction: float = 0.2
@@ -35,32 +37,36 @@ class EngineSpec:
 
     @classmethod
     def from_config(cls, config: "TrainConfig", model_dir: Path, device: str, *,
-                    adapters: tuple[str, ...] | None = None, max_staleness: int | None = None,
+                    adapters: tuple[str, ...] | None = None, window: StalenessWindow | None = None,
                     max_lora_rank: int | None = None, separate_process: bool | None = None) -> "EngineSpec":
-        """The engine a run's `[generator]` (type "vllm") describes on `device`; evaluation
-        engines override the adapters, the staleness window, the rank and the process."""
+        """The engine a run's `[generator]` (type "vllm", or each "ray" replica's) describes on
+        `device`; evaluation engines override the adapters, the staleness window, the rank and
+        the process."""
+        from ..config.backends import EngineSettings
         from ..dtypes import resolve_dtype
 
         gen = config.generator
+        if not isinstance(gen, EngineSettings):  # narrows the [generator] union to those that build engines
+            raise ValueError(f"generator.type = {gen.type!r} runs no vLLM engine of this run's own")
         return cls(
             model_dir=Path(model_dir),
             adapters=tuple(config.adapter_names) if adapters is None else adapters,
-            max_staleness=config.buffer.max_staleness if max_staleness is None else max_staleness,
+            window=config.buffer.window if window is None else window,
             max_lora_rank=config.max_lora_rank if max_lora_rank is None else max_lora_rank,
             dtype=resolve_dtype(config.model.dtype, device), memory_fraction=gen.memory_fraction,
             kv_cache_gb=gen.kv_cache_gb,
             max_model_len=gen.max_model_len, seed=config.run.seed, fast_cpu_lora=gen.fast_cpu_lora,
             engine_log=config.run.engine_log,
-            separate_process=gen.engine_process == "separate" if separate_process is None else separate_process,
+            separate_process=gen.engine_home == "separate" if separate_process is None else separate_process,
             block_size=gen.block_size, max_batched_tokens=gen.max_batched_tokens, quantization=gen.quantization,
         )
 
     @property
     def max_loras(self) -> int:
-        """Adapters in one batch: every live version of every adapter, plus one being published."""
-        return len(self.adapters) * (self.max_staleness + 1) + 1
+        """Adapters in one batch (`StalenessWindow.engine_slots`)."""
+        return self.window.engine_slots(len(self.adapters))[0]
 
     @property
     def max_cpu_loras(self) -> int:
-        """Registered versions: the batch slots plus one draining version per adapter."""
-        return self.max_loras + len(self.adapters)
+        """Registered versions (`StalenessWindow.engine_slots`)."""
+        return self.window.engine_slots(len(self.adapters))[1]

@@ -1,5 +1,9 @@
 """The generator contract: what goes in, what comes out, and the `Generator` protocol every
-backend implements (the in-process vLLM engine, remote servers, test fakes).
+backend implements (the in-process vLLM engine, remote servers, Ray replicas, test fakes).
+
+A generator is generic in its *receiver*, what a version's `Delivery` is loaded into where the
+generator registers versions (`receivers.py`: a vLLM engine's client, the servers' HTTP client,
+the Ray router's fan-out), so a transport is typed against the receivers it can deliver to.
 
 Failures are typed: a `GenResult` carries a `GenStatus`, a dead engine raises `GeneratorDead`.
 Nothing downstream reads error texts to decide what happened.
@@ -13,10 +17,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
+
+R_contra = TypeVar("R_contra", contravariant=True)  # a delivery loads into any receiver that offers what it calls
+R_co = TypeVar("R_co", covariant=True)  # a generator whose receiver offers more is a generator of less
+T = TypeVar("T")
 
 
 class GeneratorDead(RuntimeError):
@@ -122,20 +130,22 @@ class AdapterVersion:
 
 
 @dataclass(frozen=True)
-class Delivery:
+class Delivery(Generic[R_contra]):
     """A version on its way into a generator: what a transport hands over.
 
-    `load(receiver, int_id)` runs where the generator registers versions (for vLLM: on the
-    engine thread, between steps, with the typed engine client as receiver; for servers: with
-    the HTTP client). It must leave the receiver holding the version under `int_id`, or raise;
-    then nothing is registered and the live versions keep serving.
+    `load(receiver, int_id)` runs where the generator registers versions (`Generator.register`),
+    with the generator's receiver (`receivers.py`): for vLLM on the engine thread, between steps,
+    with the engine client; for servers with the HTTP client; for Ray with the router's fan-out.
+    It must leave the receiver holding the version under `int_id`, or raise; then nothing is
+    registered and the live versions keep serving. It returns the milliseconds of it spent
+    waiting for engines to finish a step (Ray replicas), or None.
     """
 
     adapter: str
     version: int
     nbytes: int
     transport: str
-    load: Callable[[Any, int], Any]
+    load: Callable[[R_contra, int], float | None]
     started: float = field(default_factory=time.perf_counter)  # when the tensors were ready
     path: str | None = None  # a PEFT directory the engine may reload this version from
 
@@ -195,14 +205,21 @@ class GeneratorStats:
         return {}
 
 
-class Generator(Protocol):
+class Generator(Protocol[R_co]):
     """A multi-LoRA generator that serves several versions of each adapter at once.
 
     Versions reach it through a transport (`sync.transports`): the transport calls `validate`,
-    moves the tensors, and hands a `Delivery` to `register`.
+    moves the tensors, and hands a `Delivery` to `register`, which loads it into the generator's
+    receiver `R_co` (`receivers.py`).
     """
 
-    stats: GeneratorStats
+    @property
+    def stats(self) -> GeneratorStats: ...
+
+    @property
+    def serving_dtype(self) -> str | None:
+        """The dtype the engine serves adapters in (a `dtypes` name), what packing transports
+        cast to; None where the engine casts what it loads itself (remote servers)."""
 
     def submit(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
         """Queue a request; `on_done` runs (on the generator's thread) when it ends, in any way."""
@@ -211,8 +228,13 @@ class Generator(Protocol):
         """Refuse a version that cannot be served (AdapterError, RegistryError); counts refusals.
         `values=False`: the transport checks the values itself, on the copy it makes."""
 
-    def register(self, delivery: Delivery) -> PublishStats:
+    def register(self, delivery: Delivery[R_co]) -> PublishStats:
         """Register a delivered version beside the live ones; blocks until requests can name it."""
+
+    def with_receiver(self, fn: Callable[[R_co], T]) -> T:
+        """Run `fn(receiver)` where versions are registered (the vLLM engine thread between
+        steps; the servers' client; the Ray router) and return its result: what a transport
+        sets up with the receiver before any delivery (a process group's members)."""
 
     def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
         """Stop requests tagged `tag` of `adapter` on versions below `min_version`, without waiting;
@@ -233,15 +255,19 @@ def hand_back(on_done: Callable[[GenResult], None], result: GenResult) -> None:
         logging.getLogger(__name__).exception("generation callback failed")
 
 
-def generate_async(generator: Generator) -> Callable[[GenRequest], Awaitable[GenResult]]:
+def generate_async(generator: Generator[Any]) -> Callable[[GenRequest], Awaitable[GenResult]]:
     """Adapt a callback generator (`submit(req, on_done)`) to `await generate(req)`."""
 
     def generate(request: GenRequest) -> Awaitable[GenResult]:
         loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
+        future: asyncio.Future[GenResult] = loop.create_future()
+
+        def settle(result: GenResult) -> None:
+            if not future.done():
+                future.set_result(result)
 
         def done(result: GenResult) -> None:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+            loop.call_soon_threadsafe(settle, result)
 
         generator.submit(request, done)
         return future

@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -53,9 +55,13 @@ class BaseShapes:
         return {name.rsplit(".", 1)[-1] for name in self.linear}
 
 
-def peft_config_dict(config: object) -> dict:
-    """A peft `LoraConfig` as a JSON-able dict (sets become sorted lists)."""
-    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # type: ignore[call-overload]
+class _ConfigObject(Protocol):
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def peft_config_dict(config: _ConfigObject | Mapping[str, Any]) -> dict[str, Any]:
+    """A peft `LoraConfig` (or a mapping of its fields) as a JSON-able dict (sets become sorted lists)."""
+    raw = dict(config) if isinstance(config, Mapping) else config.to_dict()
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in raw.items()}
 
 

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..dtypes import torch_dtype
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 QUANTIZATIONS = ("none", "nf4", "int8")
 
@@ -74,7 +77,7 @@ def quantization_config(quantization: str, compute_dtype: torch.dtype) -> Any:
     return None
 
 
-def load_base(model_dir: Path, dtype: str, quantization: str, device: torch.device) -> torch.nn.Module:
+def load_base(model_dir: Path, dtype: str, quantization: str, device: torch.device) -> "PreTrainedModel":
     """The frozen base on `device`: at `dtype`, or quantised with its compute in `dtype`."""
     from transformers import AutoModelForCausalLM
 
@@ -82,7 +85,7 @@ def load_base(model_dir: Path, dtype: str, quantization: str, device: torch.devi
     # sdpa takes the boolean 4-D prompt-tree masks built in `build_micro_batch` as they are.
     if quantization == "none":
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=compute, attn_implementation="sdpa")
-        return base.to(device)
+        return base.to(device)  # type: ignore[arg-type]  # transformers' `to` decorator hides its signature
     check_quantization(quantization, str(device))
     base = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=compute, attn_implementation="sdpa", device_map={"": str(device)},

@@ -22,7 +22,7 @@ from ..config import LearnerConfig, LoraConfig, LossConfig
 from ..dtypes import resolve_dtype
 from ..generator.types import AdapterVersion
 from ..generator.validate import peft_config_dict
-from ..loss import LossStats, policy_loss
+from ..loss import LossStats, has_gradient, policy_loss
 from ..placement import Placement
 from .frozen_base import load_base, quiet_int8_casts
 from .logprobs import completion_logprobs
@@ -119,7 +119,8 @@ class Learner:
         model = None
         for name, (lora, lr) in adapters.items():
             targets = lora.target_modules if isinstance(lora.target_modules, list) else "all-linear"
-            cfg = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets,
+            # peft annotates lora_alpha as int but only divides it by r: a fractional alpha is valid
+            cfg = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets,  # type: ignore[arg-type]
                                  lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM")
             if model is None:
                 model = get_peft_model(base, cfg, adapter_name=name)
@@ -209,9 +210,8 @@ class Learner:
             self.model.set_adapter(version.adapter)
 
     def trainable(self, samples: list[TrainSample]) -> list[TrainSample]:
-        """The samples that train: zero advantage gives no gradient (unless KL needs them)."""
-        kl = self.loss_cfg.kl_coef > 0
-        return [s for s in samples if s.trained_tokens and (s.advantage != 0.0 or kl)]
+        """The samples that train: those with trained tokens and a gradient (`loss.has_gradient`)."""
+        return [s for s in samples if s.trained_tokens and has_gradient(s.advantage, self.loss_cfg.kl_coef)]
 
     def fits(self, samples: list[TrainSample]) -> bool:
         """Whether one step can take all of `samples` within `learner.micro_batches_per_step`

@@ -112,7 +112,14 @@ def build_micro_batch(samples: list[TrainSample], rows: list[list[int]], pad_id:
     ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
     pos = torch.zeros((n_rows, width), dtype=torch.long)
     branch = torch.full((n_rows, width), -2, dtype=torch.long)  # -1 prompt, k sample k, -2 pad
-    pred_rows, pred_cols, targets, behaviour, adv, stale, lag, lengths = [], [], [], [], [], [], [], []
+    pred_rows: list[int] = []
+    pred_cols: list[int] = []
+    targets: list[int] = []
+    behaviour: list[float] = []
+    adv: list[float] = []
+    stale: list[bool] = []
+    lag: list[int] = []
+    lengths: list[int] = []
     for r, row in enumerate(rows):
         prompt = samples[row[0]].prompt_ids
         p = len(prompt)

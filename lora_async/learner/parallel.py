@@ -66,7 +66,8 @@ def assign_micro_batches(samples: list[TrainSample], plan: list[list[list[int]]]
     """Micro-batch indices per rank: largest first to the least loaded rank (padded tokens are
     the work), ties to the lowest rank, so rank 0 is never idle while another rank works."""
     padded = [len(rows) * max(unit_tokens(samples, row) for row in rows) for rows in plan]
-    work, shares = [0] * world, [[] for _ in range(world)]
+    work = [0] * world
+    shares: list[list[int]] = [[] for _ in range(world)]
     for i in sorted(range(len(plan)), key=lambda i: -padded[i]):
         rank = min(range(world), key=lambda r: work[r])
         shares[rank].append(i)

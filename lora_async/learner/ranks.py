@@ -85,7 +85,7 @@ def all_reduce_step(group: Any, params: list[torch.nn.Parameter], loss_sum: floa
     loss = torch.tensor([loss_sum], dtype=grads[0].dtype, device=grads[0].device)
     flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
     options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.SUM
+    options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
     group.allreduce([flat], options).wait()
     for p, grad in zip(params, _split(flat[:-1], params)):
         p.grad = grad

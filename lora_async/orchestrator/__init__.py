@@ -4,9 +4,11 @@
 |---|---|
 | `state.py` | `Run`, `AdapterRun`, counters, and the one way a run stops or fails |
 | `loop.py` | `train` (the main loop; the shutdown order in its docstring) and `train_step` |
-| `rollouts.py` | admission and the producers (generate, score, buffer) |
+| `admission.py` | when a new group may start: the rule, and the counts it reads (`Admission`) |
+| `rollouts.py` | the producers (each group from the adapter's `rollout.RolloutSource`, counted, buffered) |
 | `batches.py` | collecting each step's batch from the buffer |
 | `publish.py` | handing new versions to the generator, the step's metrics line, the canary |
+| `rows.py` | the step's metrics line and `summary.json` |
 | `periodic.py` | checkpoints, held-out evals and the chart |
 | `lifecycle.py` | building the parts, resume, signals, teardown |
 """

@@ -1,9 +1,9 @@
 """Collecting: one batch of groups per learner step, per adapter.
 
-A batch is `learner.groups_per_step` informative groups (rewards not all equal: the others give
-no gradient and are skipped and counted; `learner.skip_flat_groups = false` keeps them) that the
-learner can take in one step. The lag is
-stamped against the learner's version when a group is taken (stale ones are dropped then).
+A batch is `learner.groups_per_step` groups with a gradient (`loss.has_gradient`: rewards not all
+equal, or a KL term; the others are skipped and counted; `learner.skip_flat_groups = false`
+keeps them) that the learner can take in one step. The lag is stamped against the learner's
+version when a group is taken (stale ones are dropped then).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 
 from ..buffer import Group
-from ..metrics import step_marks
-from .state import MAX_PULL_FACTOR, AdapterRun, Run, samples_of
+from ..loss import has_gradient
+from ..rollout import EpisodeStats
+from .state import MAX_PULL_FACTOR, AdapterRun, Run, StepMarks, samples_of
 
 TAKE_POLL_S = 1.0  # how often a waiting collector re-checks the limits and the run's state
 INFORMATIVE_EMA = 0.1  # smoothing of the share of groups with a reward signal (admission uses it)
@@ -24,7 +25,7 @@ def start_collectors(run: Run, ready: asyncio.Queue) -> list[asyncio.Task]:
 
 async def collect_loop(run: Run, adapter: AdapterRun, ready: asyncio.Queue) -> None:
     """Hand the learner one batch of this adapter at a time, until its steps are done."""
-    adapter.marks = step_marks(run, adapter)
+    adapter.marks = StepMarks.now(run.generator.stats, adapter.counters.tokens_generated)
     while not run.finished(adapter):
         groups = await collect_batch(run, adapter)
         if groups is None:
@@ -40,12 +41,11 @@ async def collect_batch(run: Run, adapter: AdapterRun) -> list[Group] | None:
     its step budget and the metrics show the flat rewards instead of waiting forever."""
     cfg = run.config.learner
     groups, adapter.carry = adapter.carry, []
-    adapter.collected = len(groups)
+    adapter.admission.batch_holds(len(groups), 0)
     adapter.pulled_rewards = [s.reward for g in groups for s in g.samples]
-    adapter.pulled_episodes = [row for g in groups for row in g.episodes]
-    # The KL term has a gradient even without advantages; without filtering a step takes the
-    # groups as they come (a flat group then counts towards groups_per_step but moves nothing).
-    keep_flat = run.config.loss.kl_coef > 0 or not cfg.skip_flat_groups
+    adapter.pulled_episodes = EpisodeStats()
+    for g in groups:
+        adapter.pulled_episodes.merge(g.episodes)
     pulled = 0
     while len(groups) < cfg.groups_per_step:
         if run.finished(adapter):
@@ -55,17 +55,18 @@ async def collect_batch(run: Run, adapter: AdapterRun) -> list[Group] | None:
             continue
         pulled += 1
         adapter.pulled_rewards.extend(group.rewards)
-        adapter.pulled_episodes.extend(group.episodes)
-        informative = group.informative or keep_flat
-        adapter.informative_rate += INFORMATIVE_EMA * (float(informative) - adapter.informative_rate)
-        if not informative:
+        adapter.pulled_episodes.merge(group.episodes)
+        trains = trains_on(run, group)
+        adapter.informative_rate += INFORMATIVE_EMA * (float(trains) - adapter.informative_rate)
+        if not trains:
             adapter.counters.zero_adv_groups += 1
         elif groups and not run.learner.fits(samples_of(groups + [group])):
             adapter.carry.append(group)
+            adapter.admission.batch_holds(len(groups), len(adapter.carry))
             break
         else:
             groups.append(group)
-            adapter.collected = len(groups)
+            adapter.admission.batch_holds(len(groups), 0)
         if pulled >= MAX_PULL_FACTOR * cfg.groups_per_step:
             if not groups and not adapter.warned_flat:
                 adapter.warned_flat = True
@@ -74,6 +75,13 @@ async def collect_batch(run: Run, adapter: AdapterRun) -> list[Group] | None:
                                   "steps make no update[/]")
             break
     return groups
+
+
+def trains_on(run: Run, group: Group) -> bool:
+    """Whether a step takes `group`: it has a gradient, or filtering is off (a step then takes the
+    groups as they come; a flat group counts towards groups_per_step but moves nothing)."""
+    kl_coef = run.config.loss.kl_coef
+    return any(has_gradient(s.advantage, kl_coef) for s in group.samples) or not run.config.learner.skip_flat_groups
 
 
 async def take(run: Run, adapter: AdapterRun) -> Group | None:

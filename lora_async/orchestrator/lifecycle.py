@@ -22,12 +22,14 @@ from ..buffer import RolloutBuffer
 from ..checkpoint import RunState, latest_checkpoint, load_checkpoint
 from ..config import TrainConfig, dump_config
 from ..generator.types import Generator
-from ..metrics import MetricsWriter, run_summary, summary_table, truncate_metrics
+from ..learner.api import LearnerAPI
+from ..metrics import MetricsWriter, summary_table, truncate_metrics
 from ..placement import Placement, pin_current_thread
 from ..sync.transports import Transport
-from ..tasks import make_task
+from ..tasks import make_source
+from .admission import Admission
 from .periodic import checkpoint, evaluate_all, save_adapter
-from ..learner.api import LearnerAPI
+from .rows import run_summary
 from .state import AdapterRun, Counters, Run, TrainingError
 
 
@@ -61,9 +63,9 @@ class LocalParts:
         self.learner_placement = self.rank_placements[0]  # rank 0 runs on the learner thread
         self.model_dir = resolve_model(config.model.name, console)
         gen = config.generator
-        if gen.engine_home == "server":
+        if gen.type == "server":
             self.where = f"vllm serve at {', '.join(gen.urls)}"
-        elif gen.engine_home == "ray":
+        elif gen.type == "ray":
             address = config.ray.address
             cluster = ("a local Ray" if address is None else "the running Ray cluster" if address == "auto"
                        else f"the Ray cluster at {address}")
@@ -95,7 +97,7 @@ class LocalParts:
         return make_generator(self.config, self.model_dir, self.generator_placement)
 
     def transport(self, generator: Generator) -> Transport:
-        from ..sync.transports import make_transport
+        from ..sync.factory import make_transport
 
         return make_transport(self.config, generator, self.learner_placement.device, self.out_dir)
 
@@ -123,12 +125,13 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
                             "another run.output_dir")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(dump_config(config))
-    parts = parts or await asyncio.to_thread(LocalParts, config, console, out_dir)
+    if parts is None:
+        parts = await asyncio.to_thread(LocalParts, config, console, out_dir)
     console.print(parts.describe())
-    adapters = {spec.name: AdapterRun(spec, make_task(spec.task, config.run.seed, spec.task_path))
+    adapters = {spec.name: AdapterRun(spec, make_source(spec, config, config.run.seed), Admission(config.buffer.window))
                 for spec in config.adapter_specs}
     for adapter in adapters.values():
-        console.print(f"{adapter.name}: {adapter.task.describe()}", highlight=False)
+        console.print(f"{adapter.name}: {adapter.source.describe()}", highlight=False)
     tokenizer = await asyncio.to_thread(parts.tokenizer)
     pool = concurrent.futures.ThreadPoolExecutor(1, "lora-async-learner", pin_current_thread,
                                                  (parts.learner_placement,))
@@ -155,7 +158,7 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
         raise
     run = Run(config=config, out_dir=out_dir, console=console, adapters=adapters, tokenizer=tokenizer,
               generator=generator, transport=transport, learner=learner, learner_pool=pool,
-              buffer=RolloutBuffer(config.buffer.max_tokens, config.buffer.max_staleness, config.buffer.stale_policy),
+              buffer=RolloutBuffer(config.buffer.max_tokens, config.buffer.window, config.buffer.stale_policy),
               store=AdapterStore(out_dir), metrics=MetricsWriter(out_dir, list(adapters), config.run, console))
     if state is not None:
         restore(run, state)
@@ -170,8 +173,7 @@ def restore(run: Run, state: RunState) -> None:
     for name, adapter in run.adapters.items():
         adapter.step = state.steps.get(name, 0)
         adapter.next_problem = state.next_problem.get(name, 0)
-        saved = state.counters.get(name, {})
-        adapter.counters = Counters(**{k: v for k, v in saved.items() if k in Counters.__dataclass_fields__})
+        adapter.counters = Counters.from_dict(state.counters.get(name, {}))
 
 
 def install_stop_signals(run: Run) -> None:
@@ -213,7 +215,7 @@ async def finish_run(run: Run) -> dict[str, Any]:
         run.transport.close()
         run.generator.close()
         for adapter in run.adapters.values():
-            adapter.task.close()
+            adapter.source.close()
         run.learner_pool.submit(run.learner.close)  # on the learner's thread, after whatever it was doing
         run.learner_pool.shutdown(wait=True)
     summary = run_summary(run)

@@ -23,13 +23,13 @@ from rich.console import Console
 
 from ..buffer import Group
 from ..config import TrainConfig
-from ..metrics import step_marks, step_row
 from .batches import start_collectors
 from .lifecycle import Parts, finish_run, install_stop_signals, setup_run, stop_workers
 from .periodic import after_step, evaluate_all, save_snapshot
 from .publish import publish_and_record, publish_initial
 from .rollouts import ROLLOUT_TAG, start_producers
-from .state import AdapterRun, Run, TrainingError, samples_of
+from .rows import step_row
+from .state import AdapterRun, Run, StepMarks, TrainingError, samples_of
 
 READY_POLL_S = 1.0  # how often the idle main loop re-checks the limits and the run's state
 
@@ -86,25 +86,26 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
 async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None:
     """One learner step of one adapter. The new version is handed over in the background, so the
     learner never waits for the engine; the step's metrics line follows its registration."""
-    if adapter.step == 0 and adapter.task.stats.calls and adapter.task.stats.errors >= adapter.task.stats.calls:
+    rewards = adapter.source.stats
+    if adapter.step == 0 and rewards.calls and rewards.errors >= rewards.calls:
         run.fail(TrainingError(f"{adapter.name}: every reward call of the first step failed; "
-                               f"the first error: {adapter.task.stats.first_error}"))
+                               f"the first error: {rewards.first_error}"))
         return
     # Groups still generating on versions this step makes too old could only be dropped as
     # stale: stop them now, so the engine (and, on shared cores, the learner) gets the time.
-    oldest_useful = run.learner.version(adapter.name) + 1 - run.config.buffer.max_staleness
+    oldest_useful = run.config.buffer.window.oldest(run.learner.version(adapter.name) + 1)
     run.generator.abort_older(adapter.name, oldest_useful, ROLLOUT_TAG)
-    adapter.busy, adapter.collected = True, 0
+    adapter.admission.step_began()
     stats = await run.in_learner(run.learner.train_step, adapter.name, samples_of(groups))
     version = await run.in_learner(run.learner.adapter_version, adapter.name) if stats.updated else None
-    adapter.busy = False
+    adapter.admission.step_ended()
     await run.notify()
     adapter.step += 1
     run.global_step += 1
     adapter.counters.skipped_nonfinite += int(stats.skipped_nonfinite)
     row = step_row(run, adapter, groups, stats)
     adapter.last_reward = row["reward_mean"]
-    adapter.marks = step_marks(run, adapter)
+    adapter.marks = StepMarks.now(run.generator.stats, adapter.counters.tokens_generated)
     if version is not None and snapshot_due(run, adapter):
         save_snapshot(run, adapter, version, row["wall_s"])
     adapter.publishing = asyncio.create_task(publish_and_record(run, adapter, version, row, adapter.publishing))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from ..checkpoint import RunState, save_checkpoint
-from ..evaluate import EvalResult, evaluate_task
 from ..generator.types import AdapterVersion
+from ..rollout import EvalResult
 from .state import AdapterRun, Run
 
 
@@ -60,7 +60,7 @@ async def eval_event(run: Run, adapter: AdapterRun, when: str, after: asyncio.Ta
     """Held-out greedy accuracy of the adapter's servable version (an `eval` metrics line)."""
     if after is not None:
         await after  # evaluate the version this step produced, once it is servable
-    result = await evaluate_task(run.generate, run.tokenizer, adapter.task, adapter.spec, run.config, adapter.name)
+    result = await adapter.source.evaluate(run.generate, run.tokenizer, adapter.name)
     row = {"kind": "eval", "when": when, "adapter": adapter.name, "step": adapter.step, "version": result.version,
            "wall_s": round(run.wall_s, 3), "accuracy": result.accuracy, "mean_reward": result.mean_reward,
            "n": result.n, **result.extra}

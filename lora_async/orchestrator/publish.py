@@ -10,11 +10,9 @@ import statistics
 from typing import Any
 
 from ..buffer import TrainSample
-from ..envs.source import EnvSource
 from ..generator.types import AdapterVersion, GenRequest, PublishStats
 from ..generator.validate import AdapterError
-from ..sync.pack import PackError
-from ..tasks import render_prompt
+from ..handoff import PackError
 from .periodic import save_snapshot
 from .state import AdapterRun, Run, TrainingError
 
@@ -24,21 +22,12 @@ CANARY_WARN_NATS = 0.5  # mean |generator - learner| logprob on the probe that m
 CANARY_TOKENS = 16
 
 
-async def probe_prompt(run: Run, adapter: AdapterRun) -> list[int] | None:
-    """The canary's prompt: the first held-out problem, or an environment's first held-out opening."""
-    task = adapter.task
-    if isinstance(task, EnvSource):
-        return await task.opening_ids(0, "eval", run.tokenizer)
-    probe = task.heldout()[:1] or [task.train_problem(0)]
-    return render_prompt(run.tokenizer, probe[0].prompt, task.system_prompt)
-
-
 async def publish_initial(run: Run) -> None:
     """Hand every adapter's starting version to the generator; wait until each is servable."""
     for adapter in run.adapters.values():
         version = await run.in_learner(run.learner.adapter_version, adapter.name)
         await asyncio.to_thread(run.transport.publish, version)
-        adapter.published = version.version
+        adapter.admission.version_published(version.version)
         if run.config.run.save_every:
             save_snapshot(run, adapter, version, run.wall_s)
     await run.notify()
@@ -52,13 +41,14 @@ async def publish_and_record(run: Run, adapter: AdapterRun, version: AdapterVers
     if version is not None:
         stats = await deliver(run, adapter, version, row)
         if stats is not None:
-            adapter.published = version.version
+            adapter.admission.version_published(version.version)
             await run.notify()
             row.update(sync_ms=stats.ms, sync_wait_ms=stats.wait_ms, sync_bytes=stats.bytes,
                        sync_transport=stats.transport)
     run.metrics.step(row)
     every = run.config.run.canary_every
-    if version is not None and every and version.version % every == 0 and adapter.published == version.version:
+    if (version is not None and every and version.version % every == 0
+            and adapter.admission.published == version.version):
         await canary(run, adapter, version)
 
 
@@ -75,7 +65,7 @@ async def deliver(run: Run, adapter: AdapterRun, version: AdapterVersion, row: d
             adapter.counters.rejected_versions += 1
             adapter.rejected_in_a_row += 1
             row.setdefault("sync_error", str(exc)[:300])
-            run.console.print(f"[red]{version.name} refused ({exc}); v{adapter.published} keeps serving[/]")
+            run.console.print(f"[red]{version.name} refused ({exc}); v{adapter.admission.published} keeps serving[/]")
             if adapter.rejected_in_a_row >= MAX_REJECTED_IN_A_ROW:
                 run.fail(TrainingError(f"{adapter.name}: {adapter.rejected_in_a_row} transfers in a row refused; "
                                        f"last: {exc}"))
@@ -94,7 +84,7 @@ async def canary(run: Run, adapter: AdapterRun, version: AdapterVersion) -> None
     vLLM samples a probe on version k; the learner scores it with a snapshot of version k (the
     tensors that were published), so the check is exact even while the learner moves on.
     """
-    prompt_ids = await probe_prompt(run, adapter)
+    prompt_ids = await adapter.source.probe_prompt(run.tokenizer)
     if prompt_ids is None:
         return
     result = await run.generate(GenRequest(prompt_ids, adapter.name, n=1, max_tokens=CANARY_TOKENS,

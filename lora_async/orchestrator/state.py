@@ -15,22 +15,23 @@ import concurrent.futures
 import enum
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from rich.console import Console
 
 from ..buffer import Group, RolloutBuffer, TrainSample
-from ..generator.types import GenRequest, GenResult, Generator, generate_async
+from ..generator.types import GenRequest, GenResult, Generator, GeneratorStats, generate_async
 from ..learner.api import LearnerAPI
+from ..rollout import EpisodeStats, RolloutSource
+from .admission import Admission
 
 if TYPE_CHECKING:
     from ..adapters import AdapterStore
     from ..config import AdapterSpec, TrainConfig
     from ..metrics import MetricsWriter
     from ..sync.transports import Transport
-    from ..tasks import Task
 
 MAX_PULL_FACTOR = 4  # a step takes what it has after pulling this many batches' worth of groups
 
@@ -56,51 +57,55 @@ class Counters:
     canary_warnings: int = 0
     rejected_versions: int = 0  # versions the transport or the engine refused (older ones kept serving)
     aborted_stale: int = 0  # groups stopped mid-generation: they would have been too stale to train
-    # environment tasks (episodes of groups that finished, dropped ones included)
-    episodes: int = 0
-    env_errors: int = 0  # the environment raised, hung or broke the interface: reward 0, not trained
-    truncated_episodes: int = 0  # the context (generator.max_model_len) was full
-    tool_calls: int = 0
-    tool_errors: int = 0  # malformed calls, unknown tools, tools that raised or timed out
-    resumed_turns: int = 0  # turns stopped as too stale and continued on a newer version
-    tokens_reprefilled: int = 0  # context prefilled again because of those switches
+    # environment tasks: every episode that ended (of groups trained or dropped)
+    episode_stats: EpisodeStats = field(default_factory=EpisodeStats)
 
     def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        """One flat dict for a checkpoint (the episode totals under their own names, as before)."""
+        flat = asdict(self)
+        flat.update(flat.pop("episode_stats"))
+        return flat
 
-    def record_episodes(self, episodes: list[Any]) -> None:
-        """Count finished episodes (`envs.episode.Trajectory`)."""
-        self.episodes += len(episodes)
-        self.env_errors += sum(t.outcome == "env_error" for t in episodes)
-        self.truncated_episodes += sum(t.outcome == "truncated" for t in episodes)
-        self.tool_calls += sum(t.tool_calls for t in episodes)
-        self.tool_errors += sum(t.tool_errors for t in episodes)
-        self.resumed_turns += sum(t.resumed_turns for t in episodes)
-        self.tokens_reprefilled += sum(t.tokens_reprefilled for t in episodes)
+    @classmethod
+    def from_dict(cls, saved: dict[str, int]) -> "Counters":
+        """From `as_dict` (keys it does not know are left out: a checkpoint of another release)."""
+        own = {f.name: int(saved[f.name]) for f in fields(cls) if f.name != "episode_stats" and f.name in saved}
+        return cls(**own, episode_stats=EpisodeStats.from_dict(saved))
+
+
+@dataclass(frozen=True)
+class StepMarks:
+    """Where the clocks stand when an adapter's step begins (its metrics line reports the differences)."""
+
+    wall: float = field(default_factory=time.perf_counter)
+    busy_s: float = 0.0  # the generator's busy time
+    tokens: int = 0  # the adapter's tokens generated
+    engine_steps: float = 0.0
+    engine_running: float = 0.0
+
+    @classmethod
+    def now(cls, stats: GeneratorStats, tokens_generated: int) -> "StepMarks":
+        return cls(time.perf_counter(), stats.busy_s, tokens_generated, stats.steps, stats.running)
 
 
 @dataclass
 class AdapterRun:
-    """One adapter's share of a run: task, position, versions, counters."""
+    """One adapter's share of a run: its rollout source, position, admission, counters."""
 
     spec: "AdapterSpec"
-    task: "Task"
+    source: RolloutSource
+    admission: Admission  # its groups between admission and the learner, and the published version
     step: int = 0
     next_problem: int = 0
-    published: int = -1
-    busy: bool = False  # the learner is training this adapter
-    in_flight: int = 0
     carry: list[Group] = field(default_factory=list)  # taken, but did not fit the last step
-    collected: int = 0  # groups taken into the batch being collected (or waiting to train)
     pulled_rewards: list[float] = field(default_factory=list)  # every group taken for this step
-    pulled_episodes: list[dict[str, float]] = field(default_factory=list)  # ... and their episodes
+    pulled_episodes: EpisodeStats = field(default_factory=EpisodeStats)  # ... and their episodes
     informative_rate: float = 1.0  # running share of groups with a reward signal
     counters: Counters = field(default_factory=Counters)
     last_reward: float | None = None
     warned_flat: bool = False
-    reported_reward_error: bool = False
-    reported_env_error: bool = False
-    marks: dict[str, float] = field(default_factory=dict)  # generator clock and tokens at the step's start
+    reported_fault: bool = False  # the first reward or environment fault was shown
+    marks: StepMarks = field(default_factory=StepMarks)
     trained: asyncio.Event = field(default_factory=asyncio.Event)
     rejected_in_a_row: int = 0
     publishing: asyncio.Task | None = None  # the newest version's hand-off (and metrics line)
@@ -181,8 +186,8 @@ class Run:
         """Run `fn` on the learner's thread (the learner is not thread-safe; one thread owns it)."""
         return await asyncio.get_running_loop().run_in_executor(self.learner_pool, fn, *args)
 
-    def generate(self, request: GenRequest) -> "asyncio.Future[GenResult]":
-        return generate_async(self.generator)(request)  # type: ignore[return-value]
+    def generate(self, request: GenRequest) -> Awaitable[GenResult]:
+        return generate_async(self.generator)(request)
 
     async def notify(self) -> None:
         """Wake the producers: admission may have changed."""

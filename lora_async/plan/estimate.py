@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .machine import GIB, ITEMSIZE, Layout, Machine, layout, resolve_dtype
+from .machine import GIB, ITEMSIZE, Layout, Machine, layout, local_engine, resolve_dtype
 from .shapes import ALL_LINEAR, ModelShape, NothingToPlan, load_shape
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig
+    from ..config import TrainConfig, VllmGeneratorConfig
 
 # 4-bit codes, plus the double-quantised absmax: one 8-bit absmax per 64 weights and one fp32
 # per 256 of those blocks (0.127 bits per weight).
@@ -189,20 +189,20 @@ def union_targets(config: "TrainConfig") -> set[str]:
 # ---------------------------------------------------------------- generator
 
 
-def generator_items(config: "TrainConfig", shape: ModelShape, device: str, dtype: str,
+def generator_items(config: "TrainConfig", gen: "VllmGeneratorConfig", shape: ModelShape, device: str, dtype: str,
                     capacity: int) -> tuple[list[Item], list[str], int]:
-    """The vLLM engine: (items, problems, KV-cache tokens)."""
+    """The vLLM engine `gen` (the run's `[generator]`): (items, problems, KV-cache tokens)."""
     from ..generator.spec import DEFAULT_MAX_NUM_SEQS, EngineSpec
 
-    gen, b = config.generator, ITEMSIZE[dtype]
+    b = ITEMSIZE[dtype]
     part = "generator"
-    if getattr(gen, "quantization", "none") == "bitsandbytes":
+    if gen.quantization == "bitsandbytes":
         weights = int(shape.linear_params * NF4_BYTES) + shape.other_params * b
         items = [Item(part, f"base weights, 4-bit + {dtype}", weights, "vLLM bitsandbytes")]
     else:
         weights = shape.total_params * b
         items = [Item(part, f"base weights, {dtype}", weights, "unquantised")]
-    spec = EngineSpec(Path("."), tuple(config.adapter_names), config.buffer.max_staleness, config.max_lora_rank)
+    spec = EngineSpec(Path("."), tuple(config.adapter_names), config.buffer.window, config.max_lora_rank)
     # vLLM sizes a slot for every linear layer it can adapt, at max_lora_rank, in the model dtype.
     slot = shape.lora_params(spec.max_lora_rank, "all-linear") * b
     slots = spec.max_loras + (spec.max_cpu_loras if device == "cpu" else 0)
@@ -265,10 +265,12 @@ def plan_run(config: "TrainConfig", machine: Machine, shape: ModelShape | None =
         device_plan(device, learner_field).items += learner_items(config, shape, device, learner_dtype, part)
     problems: list[str] = []
     kv_tokens, gen_dtype = None, None
-    if where.generator is not None:
+    engine = local_engine(config)
+    if where.generator is not None and engine is not None:  # an engine here (the layout placed it)
         target = device_plan(where.generator, "generator.device")
         gen_dtype = resolve_dtype(config.model.dtype, where.generator, machine)
-        items, problems, kv_tokens = generator_items(config, shape, where.generator, gen_dtype, target.capacity)
+        items, problems, kv_tokens = generator_items(config, engine, shape, where.generator, gen_dtype,
+                                                     target.capacity)
         target.items += items
     for device, processes in _processes(where).items():
         if device != "cpu":

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .estimate import Plan, plan_run
-from .machine import GIB, ITEMSIZE, Machine
+from .machine import GIB, ITEMSIZE, Machine, local_engine
 from .shapes import ModelShape, PlanUnavailable
 
 if TYPE_CHECKING:
@@ -110,7 +110,8 @@ def candidates(config: "TrainConfig", machine: Machine, shape: ModelShape, plan:
 
 def learner_candidates(config: "TrainConfig", machine: Machine, shape: ModelShape,
                        plan: Plan) -> list[tuple[str, ...]]:
-    learner, found = config.learner, []
+    learner = config.learner
+    found: list[tuple[str, ...]] = []
     if config.model.quantization != "nf4":
         found.append(("model.quantization=nf4",))
     if config.model.quantization == "none":
@@ -143,7 +144,10 @@ def largest_budget(config: "TrainConfig", machine: Machine, shape: ModelShape) -
 
 def generator_candidates(config: "TrainConfig", machine: Machine, shape: ModelShape,
                          plan: Plan) -> list[tuple[str, ...]]:
-    gen, found = config.generator, []
+    gen = local_engine(config)
+    found: list[tuple[str, ...]] = []
+    if gen is None:  # servers and Ray replicas plan their own memory
+        return found
     device = next(d for d in plan.devices if d.device == plan.layout.generator)
     kv = next((i.bytes for i in device.items if i.name.startswith("KV cache")), 0)
     room = device.capacity - (device.need - kv)  # what the KV cache could have on this device

@@ -16,7 +16,7 @@ from ..placement import cpu_native_bf16
 from .shapes import PlanUnavailable
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig
+    from ..config import TrainConfig, VllmGeneratorConfig
 
 GIB = 1 << 30
 # A GPU driver's marks: without them torch would find no GPU, so it is not imported to ask.
@@ -80,6 +80,15 @@ class Layout:
     engine_separate: bool  # the engine core in a process of its own
 
 
+def local_engine(config: "TrainConfig") -> "VllmGeneratorConfig | None":
+    """The `[generator]` of an engine this run starts on this machine, the one the plan sizes;
+    None for remote servers and Ray replicas, which plan their own memory."""
+    from ..config import VllmGeneratorConfig
+
+    gen = config.generator
+    return gen if isinstance(gen, VllmGeneratorConfig) else None
+
+
 def _cuda(device: str) -> str:
     return "cuda:0" if device == "cuda" else device
 
@@ -88,15 +97,14 @@ def layout(config: "TrainConfig", gpus: int) -> Layout:
     """`placement.resolve`'s choice of devices on a machine with `gpus` GPUs: an `auto` learner
     takes cuda:1 when there are two GPUs and a local generator, else cuda:0; an `auto` generator
     takes the first GPU no learner rank lists; without GPUs both are on the CPU."""
-    gen = config.generator
-    local = gen.engine_here  # servers and Ray replicas plan their own memory
+    gen = local_engine(config)
     ranks = [_cuda(d) for d in config.learner.devices] if config.learner.devices else None
     learner = _cuda(config.learner.device)
     if learner == "auto" and not ranks:
-        learner = ("cuda:1" if local and gpus > 1 else "cuda:0") if gpus else "cpu"
+        learner = ("cuda:1" if gen is not None and gpus > 1 else "cuda:0") if gpus else "cpu"
     learners = tuple(ranks or [learner])
     generator = None
-    if local:
+    if gen is not None:
         generator = _cuda(gen.device)
         if generator == "auto":
             free = [f"cuda:{i}" for i in range(gpus) if f"cuda:{i}" not in (ranks or [])]
@@ -104,7 +112,7 @@ def layout(config: "TrainConfig", gpus: int) -> Layout:
                 raise PlanUnavailable(f"learner.devices takes every GPU ({gpus}); set generator.device to the one "
                                       "the generator should share, or list fewer learner.devices")
             generator = free[0] if gpus else "cpu"
-    return Layout(generator, learners, local and gen.engine_home == "separate")
+    return Layout(generator, learners, gen is not None and gen.engine_home == "separate")
 
 
 def resolve_dtype(name: str, device: str, machine: Machine) -> str:

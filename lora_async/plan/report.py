@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from .estimate import DevicePlan, Plan
@@ -27,8 +27,10 @@ def device_table(device: DevicePlan) -> Table:
     status = "[green]fits[/]" if device.fits else "[bold red]does not fit[/]"
     table = Table(title=f"{device.device}: {gib(device.need)} of {gib(device.capacity)} GiB, {status}",
                   title_justify="left")
-    for col, justify in (("part", "left"), ("item", "left"), ("GiB", "right"), ("", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    columns: tuple[tuple[str, JustifyMethod], ...] = (("part", "left"), ("item", "left"), ("GiB", "right"),
+                                                      ("", "left"))
+    for col, justify in columns:
+        table.add_column(col, justify=justify)
     for item in device.items:
         table.add_row(item.part, item.name, gib(item.bytes), item.detail)
     table.add_row("", "[bold]total[/]", f"[bold]{gib(device.need)}[/]", f"capacity {gib(device.capacity)}")

@@ -1,6 +1,7 @@
 """The `nccl` transport: one broadcast of the packed adapter over a process group of our own.
 
-Rank 0 is the learner; ranks 1.. are vLLM's workers, which join through the worker extension.
+Rank 0 is the learner; ranks 1.. are vLLM's workers, which join through the worker extension
+(`EngineReceiver.join_group`, run where the generator registers versions: `with_receiver`).
 `backend='nccl'` between GPUs; `backend='gloo'` runs the same code on CPU. The group is not
 torch's default group (vLLM's workers use that one).
 """
@@ -10,24 +11,22 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .pack import PackedAdapter
+from ..generator.receivers import EngineReceiver
+from ..generator.types import Generator
+from ..handoff.packed import PackedAdapter
 from ..process_groups import broadcast, make_group, make_store
 from .transports import Loader, PackingTransport, TransportError
-
-if TYPE_CHECKING:
-    from ..generator.engine import VllmGenerator
 
 log = logging.getLogger(__name__)
 
 JOIN_GRACE_S = 5.0  # beyond the transport timeout, how long a broadcast thread gets to finish
 
 
-class CollectiveTransport(PackingTransport):
-    def __init__(self, generator: "VllmGenerator", backend: str = "nccl", device: str = "cpu",
+class CollectiveTransport(PackingTransport[EngineReceiver]):
+    def __init__(self, generator: Generator[EngineReceiver], backend: str = "nccl", device: str = "cpu",
                  checksum: bool = True, timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
         if backend == "nccl" and (not device.startswith("cuda") or not torch.cuda.is_available()):
             raise TransportError("sync.backend 'nccl' needs the learner on a GPU (learner.device = 'cuda:N'); "
@@ -35,11 +34,14 @@ class CollectiveTransport(PackingTransport):
         super().__init__(generator, checksum, timeout_s)
         self.name = "nccl" if backend == "nccl" else "gloo"
         self.device = device if backend == "nccl" else "cpu"
-        world = 1 + generator.run_in_engine(lambda client: client.workers())
+        world = 1 + generator.with_receiver(lambda engine: engine.workers())
         store = make_store(host, 0, world, True, timeout_s)  # port 0: the store picks a free one
+
+        def join(engine: EngineReceiver) -> list[int]:
+            return engine.join_group(host, store.port, world, backend, timeout_s)
+
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(generator.run_in_engine,
-                                 lambda client: client.join_group(host, store.port, world, backend, timeout_s))
+            joined = pool.submit(generator.with_receiver, join)
             try:
                 self.group = make_group(store, 0, world, backend, timeout_s)
                 ranks = joined.result(timeout=timeout_s)
@@ -48,11 +50,11 @@ class CollectiveTransport(PackingTransport):
                                      f"{timeout_s:.0f} s: {exc}") from exc
         log.info("%s group up: learner rank 0, workers %s", backend, ranks)
 
-    def _loader(self, packed: PackedAdapter, meta: dict) -> Loader:
-        buffer = packed.buffer
-        name = f"{meta['adapter']}@v{meta['version']}"
+    def _loader(self, packed: PackedAdapter) -> Loader[EngineReceiver]:
+        buffer, meta = packed.buffer, packed.meta
+        name = meta.name
 
-        def load(client: Any, int_id: int) -> None:
+        def load(engine: EngineReceiver, int_id: int) -> None:
             outcome: dict[str, BaseException] = {}
 
             def send() -> None:
@@ -64,7 +66,7 @@ class CollectiveTransport(PackingTransport):
             sender = threading.Thread(target=send, name="lora-async-broadcast", daemon=True)
             sender.start()
             try:
-                client.add_broadcast(int_id, meta)
+                engine.add_broadcast(int_id, meta)
             finally:
                 sender.join(self.timeout_s + JOIN_GRACE_S)
                 if sender.is_alive() or "error" in outcome:

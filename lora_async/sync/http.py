@@ -2,7 +2,7 @@
 
 A version becomes a standard PEFT directory, written atomically (`adapters.save_peft_dir`)
 under a sync directory the servers can read; its delivery asks every replica to load it under
-its versioned name through the generator's `ServerClient` (`/v1/load_lora_adapter`: servers
+its versioned name through the generator's receiver, its `ServerClient` (`/v1/load_lora_adapter`: servers
 started by `lora-async server`). When one replica fails, the ones that loaded it unload it
 again, so every replica keeps the same set. The directory of a version that is no longer live
 is removed at the next publish (and all of them at close).
@@ -13,14 +13,11 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..adapters.store import save_peft_dir
 from ..config import ADAPTER_NAME_RE
-from ..generator.types import AdapterVersion, Delivery, PublishStats
-
-if TYPE_CHECKING:
-    from ..generator.server import ServerClient, ServerGenerator
+from ..generator.receivers import ServerReceiver
+from ..generator.types import AdapterVersion, Delivery, Generator, PublishStats
 
 
 def version_dir(sync_dir: Path, served_name: str) -> Path:
@@ -39,7 +36,7 @@ def version_dir(sync_dir: Path, served_name: str) -> Path:
 class HttpTransport:
     name = "http"
 
-    def __init__(self, generator: "ServerGenerator", sync_dir: Path, timeout_s: float = 60.0,
+    def __init__(self, generator: Generator[ServerReceiver], sync_dir: Path, timeout_s: float = 60.0,
                  retry_budget_s: float = 30.0) -> None:
         self.generator = generator
         self.sync_dir = Path(sync_dir).resolve()
@@ -52,8 +49,8 @@ class HttpTransport:
         path = save_peft_dir(version_dir(self.sync_dir, version.name), version.tensors, version.peft_config)
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
-        def load(client: "ServerClient", int_id: int) -> None:
-            client.load(version.name, str(path), timeout_s=self.timeout_s, retry_budget_s=self.retry_budget_s)
+        def load(servers: ServerReceiver, int_id: int) -> None:
+            servers.load(version.name, str(path), timeout_s=self.timeout_s, retry_budget_s=self.retry_budget_s)
 
         try:
             stats = self.generator.register(Delivery(version.adapter, version.version, size, self.name, load,

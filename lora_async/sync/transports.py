@@ -2,9 +2,11 @@
 
 Each transport is a small sender behind `Transport`. It checks the version with the generator
 (`validate`), moves the tensors its way, and hands the generator one `Delivery`, whose `load`
-runs where the generator registers versions (`Generator.register`): the version lands under a
-fresh int id beside the live ones, so generation never pauses. `make_transport` picks the
-sender from the run's `[sync]` config (a union on `transport`).
+runs where the generator registers versions (`Generator.register`) with the generator's
+receiver: the version lands under a fresh int id beside the live ones, so generation never
+pauses. Each sender is typed against the receiver it needs (`generator.receivers`), so it only
+takes a generator that offers it. `factory.make_transport` picks the sender from the run's
+`[sync]` config (a union on `transport`).
 
 | transport  | engine                            | what moves                                             |
 |------------|-----------------------------------|--------------------------------------------------------|
@@ -22,24 +24,26 @@ import logging
 import pickle
 import threading
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Generic, Protocol, TypeVar
 
 import torch
 
 from ..dtypes import torch_dtype
-from ..generator.types import AdapterVersion, Delivery, PublishStats
+from ..generator.receivers import EngineReceiver
+from ..generator.types import AdapterVersion, Delivery, Generator, PublishStats
 from ..generator.validate import AdapterError
-from .pack import PackedAdapter, TensorMeta, layout, pack
+from ..handoff.packed import PackedAdapter, TensorMeta, layout, packed_nbytes
+from .pack import pack
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig
-    from ..generator.engine import VllmGenerator
-    from ..generator.types import Generator
+    from multiprocessing.shared_memory import SharedMemory
 
 log = logging.getLogger(__name__)
 
 BUFFER_HEADROOM = 5 / 4  # a reused packing buffer grows to 1.25x what it must hold (fewer regrowths)
+
+R = TypeVar("R")  # the receiver a transport's deliveries load into
+Loader = Callable[[R, int], float | None]  # `Delivery.load`
 
 
 class TransportError(RuntimeError):
@@ -55,9 +59,6 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-Loader = Callable[[Any, int], Any]
-
-
 class InprocTransport:
     """The engine lives in this process: hand the version's tensors over by reference.
 
@@ -68,8 +69,8 @@ class InprocTransport:
 
     name = "inproc"
 
-    def __init__(self, generator: "VllmGenerator") -> None:
-        if generator.spec.separate_process:
+    def __init__(self, generator: Generator[EngineReceiver]) -> None:
+        if not generator.with_receiver(lambda engine: engine.in_process):
             raise TransportError("the engine runs in its own process: in-process tensors cannot reach it "
                                  "(use sync.transport 'shm', 'nccl' or 'cuda-ipc')")
         self.generator = generator
@@ -79,9 +80,9 @@ class InprocTransport:
         self.generator.validate(version, values=False)  # the worker checks the values on its copy
         tensors, config, flat = version.tensors, version.peft_config, version.flat
 
-        def load(client: Any, int_id: int) -> None:
+        def load(engine: EngineReceiver, int_id: int) -> None:
             try:
-                client.add_tensors(int_id, tensors, config, borrowed=True, flat=flat)
+                engine.add_tensors(int_id, tensors, config, borrowed=True, flat=flat)
             except AdapterError as exc:
                 raise AdapterError(f"{version.name}: {exc}") from None
 
@@ -92,8 +93,9 @@ class InprocTransport:
         pass
 
 
-class PackingTransport:
-    """Shared by the cross-process transports: validate, pack into a reused buffer, deliver.
+class PackingTransport(Generic[R]):
+    """Shared by the cross-process transports: validate, pack into a reused buffer in the dtype
+    the generator serves, deliver (`_loader`: how the packed buffer reaches receiver `R`).
 
     One publish at a time (a lock): the packed buffer is reused, and a collective must see its
     broadcasts in the same order on every rank. A transport that failed mid-transfer refuses
@@ -102,13 +104,14 @@ class PackingTransport:
     name = "?"
     device = "cpu"  # where the packing buffer lives
 
-    def __init__(self, generator: "VllmGenerator", checksum: bool, timeout_s: float) -> None:
+    def __init__(self, generator: Generator[R], checksum: bool, timeout_s: float) -> None:
         self.generator = generator
-        self.dtype = torch_dtype(generator.spec.dtype)  # tensors travel in the dtype vLLM serves
+        serving = generator.serving_dtype  # tensors travel in the dtype the engine serves
+        self.dtype = torch_dtype(serving) if serving is not None else None
         self.checksum = checksum
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._layouts: dict[tuple, list[TensorMeta]] = {}
+        self._layouts: dict[tuple[tuple[str, tuple[int, ...], torch.dtype], ...], list[TensorMeta]] = {}
         self._broken: str | None = None
         self._storage: torch.Tensor | None = None
 
@@ -119,16 +122,16 @@ class PackingTransport:
         self.generator.validate(version)
         with self._lock:
             metas = self._layout(version)
-            out = self._buffer(metas[-1].offset + metas[-1].nbytes if metas else 0)
+            out = self._buffer(packed_nbytes(metas))
             # blake3 reads host memory; device buffers (nccl, cuda-ipc) go unchecksummed
             packed = pack(version, self.dtype, with_checksum=self.checksum and out.device.type == "cpu",
                           out=out, metas=metas)
             packed.views = None  # the receiver makes its own copy; drop our views of the buffer
             return self.generator.register(Delivery(version.adapter, version.version, packed.nbytes, self.name,
-                                                    self._loader(packed, packed.meta()), started))
+                                                    self._loader(packed), started))
 
     def _layout(self, version: AdapterVersion) -> list[TensorMeta]:
-        key = tuple((k, tuple(t.shape)) for k, t in version.tensors.items())
+        key = tuple((k, tuple(t.shape), t.dtype) for k, t in version.tensors.items())
         if key not in self._layouts:
             self._layouts[key] = layout(version.tensors, self.dtype)
         return self._layouts[key]
@@ -139,22 +142,22 @@ class PackingTransport:
             self._storage = torch.empty(int(nbytes * BUFFER_HEADROOM) + 4096, dtype=torch.uint8, device=self.device)
         return self._storage[:nbytes]
 
-    def _loader(self, packed: PackedAdapter, meta: dict) -> Loader:
+    def _loader(self, packed: PackedAdapter) -> Loader[R]:
         raise NotImplementedError
 
     def close(self) -> None:
         pass
 
 
-class ShmTransport(PackingTransport):
+class ShmTransport(PackingTransport[EngineReceiver]):
     """POSIX shared memory: the learner packs straight into a segment it owns; the worker (in
     vLLM's engine process) copies out of it once. The segment is reused and grown."""
 
     name = "shm"
 
-    def __init__(self, generator: "VllmGenerator", checksum: bool = True, timeout_s: float = 60.0) -> None:
+    def __init__(self, generator: Generator[EngineReceiver], checksum: bool = True, timeout_s: float = 60.0) -> None:
         super().__init__(generator, checksum, timeout_s)
-        self._segment: Any = None
+        self._segment: SharedMemory | None = None
         self._tensor: torch.Tensor | None = None
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
@@ -167,9 +170,13 @@ class ShmTransport(PackingTransport):
         assert self._tensor is not None
         return self._tensor[:nbytes]
 
-    def _loader(self, packed: PackedAdapter, meta: dict) -> Loader:
-        segment = self._segment.name  # only the segment's name and the metadata cross over
-        return lambda client, int_id: client.add_shm(int_id, segment, meta)
+    def _loader(self, packed: PackedAdapter) -> Loader[EngineReceiver]:
+        assert self._segment is not None  # `_buffer` made it for this publish
+        segment, meta = self._segment.name, packed.meta  # only the segment's name and the metadata cross over
+
+        def load(engine: EngineReceiver, int_id: int) -> None:
+            engine.add_shm(int_id, segment, meta)
+        return load
 
     def _release(self) -> None:
         if self._segment is not None:
@@ -186,52 +193,24 @@ class ShmTransport(PackingTransport):
             self._release()
 
 
-class CudaIpcTransport(PackingTransport):
+class CudaIpcTransport(PackingTransport[EngineReceiver]):
     """The learner's packed buffer on its GPU, shared by a CUDA IPC handle; the worker copies it
     once. The buffer stays alive (and unchanged: one publish at a time) until it has."""
 
     name = "cuda-ipc"
 
-    def __init__(self, generator: "VllmGenerator", device: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, generator: Generator[EngineReceiver], device: str, timeout_s: float = 60.0) -> None:
         if not device.startswith("cuda") or not torch.cuda.is_available():
             raise TransportError("cuda-ipc needs the learner on a CUDA device (learner.device = 'cuda:N')")
         super().__init__(generator, False, timeout_s)
         self.device = device
 
-    def _loader(self, packed: PackedAdapter, meta: dict) -> Loader:
+    def _loader(self, packed: PackedAdapter) -> Loader[EngineReceiver]:
         from torch.multiprocessing.reductions import reduce_tensor
 
         torch.cuda.current_stream(packed.buffer.device).synchronize()  # packed before shared
-        handle = pickle.dumps(reduce_tensor(packed.buffer))
-        return lambda client, int_id: client.add_ipc(int_id, handle, meta)
+        handle, meta = pickle.dumps(reduce_tensor(packed.buffer)), packed.meta
 
-
-def make_transport(config: "TrainConfig", generator: "Generator", learner_device: str, out_dir: Path) -> Transport:
-    """The sender the run's `[sync]` names (or the default for its generator), bound to `generator`.
-
-    The config validated that the transport fits the generator (`needs` vs `engine_home`)."""
-    from ..config import CudaIpcSync, HttpSync, InprocSync, NcclSync, RaySync, ShmSync
-
-    sync = config.sync_config
-    match sync:
-        case InprocSync():
-            return InprocTransport(generator)  # type: ignore[arg-type]
-        case ShmSync():
-            return ShmTransport(generator, sync.checksum, sync.timeout_s)  # type: ignore[arg-type]
-        case NcclSync():
-            from .collective import CollectiveTransport
-
-            return CollectiveTransport(generator, sync.backend, learner_device, sync.checksum,  # type: ignore[arg-type]
-                                       sync.timeout_s)
-        case CudaIpcSync():
-            return CudaIpcTransport(generator, learner_device, sync.timeout_s)  # type: ignore[arg-type]
-        case HttpSync():
-            from .http import HttpTransport
-
-            sync_dir = Path(sync.dir) if sync.dir else out_dir / "sync"
-            return HttpTransport(generator, sync_dir, sync.timeout_s, sync.retry_budget_s)  # type: ignore[arg-type]
-        case RaySync():
-            from .objectstore import RayTransport
-
-            return RayTransport(generator, sync.checksum, sync.timeout_s)  # type: ignore[arg-type]
-    raise TypeError(f"no transport for {type(sync).__name__}")
+        def load(engine: EngineReceiver, int_id: int) -> None:
+            engine.add_ipc(int_id, handle, meta)
+        return load

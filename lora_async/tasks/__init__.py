@@ -1,31 +1,26 @@
 """Tasks: where prompts come from and how completions are scored.
 
-A task yields training problems by index (deterministic for a seed, so a resumed run continues
-exactly where it stopped), a fixed held-out split for evaluation, and a reward function.
+A single-turn task is a problem set (`problems.Task`): training problems by index
+(deterministic for a seed, so a resumed run continues exactly where it stopped), a fixed
+held-out split for evaluation, and a reward function. `make_source` wraps an adapter's task,
+of either kind (a problem set, or an environment from `envs`), in the one contract the
+orchestrator and `evaluate` use (`rollout.RolloutSource`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
-
-from ..config import ArithmeticTask, EnvTask, JsonlTask
+from ..config import AdapterSpec, ArithmeticTask, EnvTask, JsonlTask, TrainConfig
+from ..rollout import RolloutSource
 from .problems import Problem, RewardStats, Task, render_prompt
 from .rewards import RewardError
 
-__all__ = ["Problem", "RewardStats", "Task", "make_task", "render_prompt", "RewardError"]
+__all__ = ["Problem", "RewardStats", "Task", "make_source", "make_task", "render_prompt", "RewardError"]
 
 
-if TYPE_CHECKING:
-    from ..envs.source import EnvSource
-
-
-def make_task(config: ArithmeticTask | JsonlTask | EnvTask, seed: int,
-              where: str = "task") -> Union[Task, "EnvSource"]:
-    """The task a `[task]` table describes; `where` names the table in errors."""
+def make_task(config: ArithmeticTask | JsonlTask | EnvTask, seed: int) -> Task:
+    """The problem set of a single-turn `[task]` table."""
     if isinstance(config, EnvTask):
-        from ..envs.source import EnvSource
-
-        return EnvSource(config, seed, f"{where}.env")
+        raise ValueError(f"an environment task ({config.env}) has no problem set; use make_source")
     if isinstance(config, ArithmeticTask):
         from .arithmetic import ArithmeticProblems
 
@@ -33,3 +28,17 @@ def make_task(config: ArithmeticTask | JsonlTask | EnvTask, seed: int,
     from .jsonl import JsonlProblems
 
     return JsonlProblems(config, seed)
+
+
+def make_source(spec: AdapterSpec, config: TrainConfig, seed: int) -> RolloutSource:
+    """The rollout source of one adapter: its task with the adapter's sampling, eval length and
+    (environments) episode settings. Errors name the task's table (`spec.task_path`)."""
+    if isinstance(spec.task, EnvTask):
+        from ..envs.episode import EpisodeSettings
+        from ..envs.source import EnvSource
+
+        return EnvSource(spec.task, seed, f"{spec.task_path}.env", spec.name, EpisodeSettings.for_adapter(config, spec),
+                         EpisodeSettings.for_adapter(config, spec, greedy=True), spec.sampling.samples_per_prompt)
+    from .source import SingleTurnSource
+
+    return SingleTurnSource(make_task(spec.task, seed), spec.name, spec.sampling, spec.eval_max_tokens)

@@ -38,7 +38,7 @@ class JsonlProblems:
         self._reward = make_reward(config.reward, config.reward_timeout_s, self.stats)
 
     def _read(self, path: Path) -> list[Problem]:
-        records = []
+        records: list[Problem] = []
         for line_no, line in enumerate(path.read_text().splitlines(), 1):
             if not line.strip():
                 continue

@@ -1,9 +1,11 @@
-"""The task interface and chat-template rendering."""
+"""The problem-set interface of single-turn tasks, and chat-template rendering."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from ..rollout import RewardStats  # the counters every rollout source keeps (re-exported: tasks.RewardStats)
 
 
 @dataclass(frozen=True)
@@ -14,23 +16,6 @@ class Problem:
     # The record's other fields (JSONL tasks), passed to user rewards by name. Left out of the
     # hash, which a dict cannot take part in.
     fields: dict[str, Any] = field(default_factory=dict, hash=False)
-
-
-@dataclass
-class RewardStats:
-    """Counters a reward function accumulates; they end up in the metrics."""
-
-    calls: int = 0
-    errors: int = 0  # raised, timed out, or returned a non-number
-    timeouts: int = 0
-    first_error: str | None = None
-    last_error: str | None = None
-
-    def record_error(self, message: str) -> None:
-        self.errors += 1
-        self.last_error = message
-        if self.first_error is None:
-            self.first_error = message
 
 
 class Task(Protocol):

@@ -78,8 +78,8 @@ class BuiltinReward:
         # A pattern says what to look for; it never reads the answer.
         self._uses = ("completion",) if spec.startswith("regex:") else ("completion", "answer")
 
-    def __call__(self, *, completion: str, answer: str, **fields: Any) -> float:
-        return self._fn(completion, answer)
+    def __call__(self, **fields: Any) -> float:
+        return self._fn(fields["completion"], fields["answer"])
 
     def describe(self, fields: Sequence[str]) -> str:
         return f"reward {self.spec} gets {', '.join(self._uses)}"

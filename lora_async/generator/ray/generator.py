@@ -1,21 +1,18 @@
 """`RayGenerator`: engine replicas on a Ray cluster behind the one `Generator` contract.
 
 Each replica is a Ray actor (`replica.Replica`) that owns one `VllmGenerator`, the engine code a
-single node runs. This class is the router in front of them, in the orchestrator's process:
+single node runs. This class is the router in front of them, in the orchestrator's process, and
+routes requests; registering versions on every replica is `versions.ReplicaVersions`'s
+(all or nothing, catch-up), starting and watching the replicas `health.ReplicaHealth`'s.
 
-- **Versions, all or nothing.** The `ray` transport packs a version once and `ray.put`s it; every
-  routable replica registers it from the object store (zero-copy on its node, one transfer per
-  node), checking the checksum itself. The version becomes the newest here, the one new requests
-  get, only after that. If every replica refuses it (a damaged object), it is refused and the
-  previous version keeps serving. A replica that fails to register while others succeed is taken
-  out of routing and catches up from the same object before it takes traffic again, so it is
-  never asked for a version it does not hold.
+- **Versions.** A version becomes the newest here, the one new requests get, only once every
+  routable replica registered it (`add_object`, this generator's receiver).
 - **Requests name their version.** The router counts a request in flight on the newest version
   (its registry is the run's view of what is live) and sends it pinned to that version
   (`GenRequest.version`), so no replica serves a newer version before every replica has it.
   A version is dropped here once it is out of the staleness window and drained on every
   replica; its object goes with it. Each replica's own engine keeps one version more than the
-  window (`max_staleness + 1`), so a version a request may still be pinned to is never gone.
+  window (`StalenessWindow.widened`), so a version a request may still be pinned to is never gone.
 - **Routing.** A request goes to the routable replica with the fewest outstanding tokens
   (prompt + `n * max_tokens`). A group's samples are one request, so they share one replica
   and their prompt is computed once. Requests that share `GenRequest.group` (the episodes of an
@@ -33,24 +30,27 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
-import time
-from typing import TYPE_CHECKING, Any, Callable, Coroutine
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, TypeVar
 
-from ...sync.pack import PackError
-from ..registry import LiveVersion, VersionRegistry
+from ...handoff import PackMeta
+from ..registry import LiveVersion, VersionRegistry, register_version
 from ..spec import EngineSpec
-from ..types import (AdapterVersion, Delivery, GenRequest, GenResult, GeneratorDead, GenStatus,
-                     PublishStats, hand_back)
+from ..types import AdapterVersion, Delivery, GenRequest, GenResult, GeneratorDead, GenStatus, PublishStats, hand_back
 from ..validate import BaseShapes, VersionCheck
 from . import cluster as ray_cluster
-from .health import PING_TIMEOUT_S, WATCH_S, RayStats, ReplicaHealth, ReplicaState
+from .health import PING_TIMEOUT_S, RayStats, ReplicaState
 from .replica import Replica
+from .versions import ReplicaVersions
 
 if TYPE_CHECKING:
-    from ...config import TrainConfig
+    from ...config import RayGeneratorConfig, TrainConfig
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,10 @@ STICKY_GROUPS = 65536  # remembered group -> replica assignments (least recently
 REGISTRY_CAPACITY = 1 << 20  # the router only counts; each replica's engine bounds its own slots
 
 
-class RayGenerator(ReplicaHealth):
-    """Replicas of the in-process engine as Ray actors (implements `types.Generator`); starting
-    and watching them is `health.ReplicaHealth`'s."""
+class RayGenerator(ReplicaVersions):
+    """Replicas of the in-process engine as Ray actors (implements `types.Generator[RayGenerator]`:
+    its own receiver, through `add_object`); versions on the replicas are `versions.ReplicaVersions`'s,
+    starting and watching them `health.ReplicaHealth`'s."""
 
     def __init__(self, spec: EngineSpec, model_name: str, replicas: int, *, address: str | None = None,
                  namespace: str = "lora-async", object_store_gb: float | None = None, device: str = "auto",
@@ -70,15 +71,15 @@ class RayGenerator(ReplicaHealth):
                  down_timeout_s: float = 180.0, start_timeout_s: float = 900.0, register_timeout_s: float = 120.0,
                  ) -> None:
         # Each replica keeps one version more than the window: see the module docstring.
-        self.spec = dataclasses.replace(spec, max_staleness=spec.max_staleness + 1)
+        self.spec = dataclasses.replace(spec, window=spec.window.widened())
         self.down_timeout_s, self.start_timeout_s = down_timeout_s, start_timeout_s
         self.register_timeout_s = register_timeout_s
         self.stats = RayStats(replicas)
-        self.registry = VersionRegistry(spec.max_staleness, REGISTRY_CAPACITY)
+        self.registry = VersionRegistry(spec.window, REGISTRY_CAPACITY)
         self._lock = threading.RLock()  # the registry and the replica table, shared with the caller's threads
         self.check = VersionCheck(BaseShapes.from_model_dir(spec.model_dir), spec.max_lora_rank, self.registry,
                                   self.stats, self._lock)
-        self._objects: dict[tuple[str, int], tuple[Any, dict]] = {}  # live versions: (ref, meta), kept for catch-up
+        self._objects: dict[tuple[str, int], tuple[Any, PackMeta]] = {}  # live versions' (ref, meta), for catch-up
         self._sticky: collections.OrderedDict[object, int] = collections.OrderedDict()
         self._dead: str | None = None
         self._closed = False
@@ -88,7 +89,7 @@ class RayGenerator(ReplicaHealth):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lora-async-ray", daemon=True)
         self._thread.start()
-        self._publish_lock: asyncio.Lock = self._on_loop(self._make_lock()).result()
+        self._publish_lock = self._on_loop(self._make_lock()).result()
         self.replicas: list[ReplicaState] = []
         try:
             self.replicas = [ReplicaState(i, ray_cluster.create_replica(self.cluster, Replica, i, max_restarts,
@@ -101,26 +102,29 @@ class RayGenerator(ReplicaHealth):
         self._watchers = [self._on_loop(self._watch(r)) for r in self.replicas]
 
     @classmethod
-    def from_config(cls, config: "TrainConfig", model_dir: Any) -> "RayGenerator":
-        """The replicas a run's `[generator]` (type "ray") and `[ray]` describe."""
-        gen, ray_config = config.generator, config.ray
+    def from_config(cls, config: TrainConfig, gen: RayGeneratorConfig, model_dir: Path) -> "RayGenerator":
+        """The replicas a run's `[generator]` (type "ray", `gen`) and `[ray]` describe."""
         from ...placement import cuda_available
 
+        ray_config = config.ray
         here = cuda_available()
-        on_gpu = gen.device == "gpu" or (gen.device == "auto" and here)  # type: ignore[attr-defined]
+        on_gpu = gen.device == "gpu" or (gen.device == "auto" and here)
         spec = EngineSpec.from_config(config, model_dir, "cuda:0" if on_gpu and here else "cpu",
                                       separate_process=False)
         if on_gpu and not here and config.model.dtype == "auto":  # GPU replicas driven from a CPU-only machine
             spec = dataclasses.replace(spec, dtype="bfloat16")
-        sync = config.sync_config
-        return cls(spec, config.model.name, gen.replicas, address=ray_config.address,  # type: ignore[attr-defined]
+        return cls(spec, config.model.name, gen.replicas, address=ray_config.address,
                    namespace=ray_config.namespace, object_store_gb=ray_config.object_store_gb,
-                   device=gen.device, cpus_per_replica=gen.cpus_per_replica,  # type: ignore[attr-defined]
-                   placement=gen.placement, max_restarts=gen.max_restarts,  # type: ignore[attr-defined]
-                   down_timeout_s=gen.down_timeout_s, start_timeout_s=gen.start_timeout_s,  # type: ignore[attr-defined]
-                   register_timeout_s=getattr(sync, "timeout_s", 120.0))
+                   device=gen.device, cpus_per_replica=gen.cpus_per_replica,
+                   placement=gen.placement, max_restarts=gen.max_restarts,
+                   down_timeout_s=gen.down_timeout_s, start_timeout_s=gen.start_timeout_s,
+                   register_timeout_s=getattr(config.sync_config, "timeout_s", 120.0))
 
     # ------------------------------------------------------------------ the Generator protocol
+    @property
+    def serving_dtype(self) -> str:
+        return self.spec.dtype
+
     def submit(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
         if self._dead is not None:
             raise GeneratorDead(self._dead)
@@ -131,26 +135,16 @@ class RayGenerator(ReplicaHealth):
     def validate(self, version: AdapterVersion, values: bool = True) -> None:
         self.check(version, values)
 
-    def register(self, delivery: Delivery) -> PublishStats:
+    def register(self, delivery: Delivery[RayGenerator]) -> PublishStats:
         """`delivery.load(self, int_id)` registers the version on every routable replica
-        (`add_object`); only then is it the version new requests get."""
+        (`add_object`: it returns the longest wait for a replica's engine step); only then is
+        it the version new requests get."""
         if self._dead is not None:
             raise GeneratorDead(self._dead)
-        with self._lock:
-            self.registry.check_new(delivery.adapter, delivery.version)
-            int_id = self.registry.reserve_id()
-        try:
-            waited = delivery.load(self, int_id)  # add_object: the longest wait for a replica's engine step
-        except Exception:
-            self.stats.version_rejected()
-            raise
-        with self._lock:
-            live = self.registry.add(delivery.adapter, delivery.version, int_id)
-            retired = [self._retire(old) for old in self.registry.retirable()]
-        wait_ms = waited if isinstance(waited, float) else 0.0
-        total_ms = (time.perf_counter() - delivery.started) * 1000
-        return PublishStats(delivery.adapter, delivery.version, live.vllm_name, int_id, delivery.nbytes,
-                            total_ms - wait_ms, retired, wait_ms=wait_ms, transport=delivery.transport)
+        return register_version(self.registry, delivery, self, self.stats, retire=self._retire, lock=self._lock)
+
+    def with_receiver(self, fn: Callable[[RayGenerator], T]) -> T:
+        return fn(self)
 
     def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
         if self._closed:
@@ -192,14 +186,7 @@ class RayGenerator(ReplicaHealth):
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
-    # ------------------------------------------------------------------ more, for the transport and tests
-    def add_object(self, ref: Any, meta: dict) -> float:
-        """Register the packed version in `ref` (a Ray object) on every routable replica; the
-        `ray` transport's deliveries call this. Raises PackError when every replica refused it.
-        Returns the longest time a replica waited for its engine to finish a step (ms): like
-        the in-process engine's `wait_ms`, generation going on, not sync work."""
-        return self._on_loop(self._fan_out(ref, meta)).result()
-
+    # ------------------------------------------------------------------ more, for tests and benchmarks
     def replica_info(self) -> list[dict]:
         """Each replica's ping (incarnation, pid, node, engine counters, live versions)."""
         import ray
@@ -315,76 +302,6 @@ class RayGenerator(ReplicaHealth):
         self._objects.pop((live.adapter, live.version), None)
         return live.vllm_name
 
-    # ------------------------------------------------------------------ versions (on the loop)
-    async def _fan_out(self, ref: Any, meta: dict) -> float:
-        adapter, version = meta["adapter"], int(meta["version"])
-        async with self._publish_lock:
-            while True:
-                targets = await self._routable_or_wait()
-                outcomes = await asyncio.gather(*(self._add_version(r, ref, meta) for r in targets),
-                                                return_exceptions=True)
-                done = [r for r, out in zip(targets, outcomes) if not isinstance(out, BaseException)]
-                failed = [(r, out) for r, out in zip(targets, outcomes) if isinstance(out, BaseException)]
-                refusals = [out for _, out in failed if isinstance(out, PackError)]
-                if done:
-                    self._objects[(adapter, version)] = (ref, meta)
-                    waits = [out["wait_ms"] for out in outcomes if isinstance(out, dict)]
-                    for replica, error in failed:  # out of routing until the watcher has caught it up
-                        replica.routable = False
-                        replica.last_error = f"could not register {adapter}@v{version}: {error}"
-                        log.warning("replica %d: %s; out of routing until it catches up", replica.index,
-                                    replica.last_error)
-                    return float(max(waits, default=0.0))
-                if refusals and len(refusals) == len(failed):
-                    raise refusals[0]  # every replica refused the object: the version is refused
-                if not refusals and self._dead is None and not self._closed:
-                    continue  # every target died or hung (now out of routing): wait for one to come back
-                raise refusals[0] if refusals else GeneratorDead(f"no replica could register {adapter}@v{version}: "
-                                                                 f"{failed[0][1]}")
-
-    async def _add_version(self, replica: ReplicaState, ref: Any, meta: dict) -> dict:
-        """Register one version on one replica (its `ms` and `wait_ms`); a dead replica is marked
-        down, a refusal is a PackError."""
-        from ray.exceptions import RayTaskError
-
-        try:
-            timing = await asyncio.wait_for(replica.actor.add_version.remote(meta, ref), self.register_timeout_s)
-        except ray_cluster.actor_errors() as exc:
-            self._mark_down(replica, exc)
-            raise
-        except asyncio.TimeoutError as exc:  # a hung replica leaves routing like a dead one
-            error = GeneratorDead(f"replica {replica.index} did not register within {self.register_timeout_s:.0f} s")
-            self._mark_down(replica, error)
-            raise error from exc
-        except RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, PackError) or isinstance(exc, PackError):
-                raise PackError(f"replica {replica.index}: {cause or exc}") from None
-            raise
-        replica.versions[meta["adapter"]] = max(int(meta["version"]), replica.versions.get(meta["adapter"], -1))
-        return timing
-
-    async def _routable_or_wait(self) -> list[ReplicaState]:
-        while True:
-            if self._dead is not None:
-                raise GeneratorDead(self._dead)
-            if self._closed:
-                raise GeneratorDead("generator is closed")
-            up = [r for r in self.replicas if r.routable]
-            if up:
-                return up
-            await asyncio.sleep(WATCH_S)
-
-    async def _catch_up(self, replica: ReplicaState) -> None:
-        """Register every live version the replica lacks, oldest first; then route to it."""
-        async with self._publish_lock:
-            for (adapter, version), (ref, meta) in sorted(self._objects.items(), key=lambda kv: kv[0][1]):
-                if version > replica.versions.get(adapter, -1):
-                    await self._add_version(replica, ref, meta)
-            replica.routable = True
-            replica.down_since = None
-            replica.last_error = None
-
     # ------------------------------------------------------------------ plumbing
     @staticmethod
     async def _make_lock() -> asyncio.Lock:
@@ -397,5 +314,5 @@ class RayGenerator(ReplicaHealth):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _on_loop(self, coroutine: Coroutine) -> Any:
+    def _on_loop(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)

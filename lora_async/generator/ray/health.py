@@ -3,10 +3,10 @@
 - `ReplicaState` is the router's view of one replica (routable, outstanding tokens, the newest
   version it registered, its incarnation); `RayStats` adds the replicas' counters to
   `GeneratorStats`.
-- `ReplicaHealth` (a base of `RayGenerator`) starts every replica's engine at the run's start,
-  and runs one watcher per replica: a ping every `WATCH_S`; a dead or silent replica leaves
-  routing; a new incarnation (Ray restarted the actor) is started and caught up (the
-  generator's `_catch_up`) before it routes again; every replica down longer than
+- `ReplicaHealth` (the base of `versions.ReplicaVersions`, itself the base of `RayGenerator`)
+  starts every replica's engine at the run's start, and runs one watcher per replica: a ping
+  every `WATCH_S`; a dead or silent replica leaves routing; a new incarnation (Ray restarted the
+  actor) is started and caught up (`ReplicaVersions._catch_up`) before it routes again; every replica down longer than
   `down_timeout_s` kills the generator. It runs on the generator's asyncio loop.
 """
 
@@ -135,12 +135,12 @@ class ReplicaHealth:
 
     async def _watch(self, replica: ReplicaState) -> None:
         """Ping one replica for the life of the generator: notice deaths, restarts, catch-ups."""
-        errors = ray_cluster.actor_errors()
+        silent: tuple[type[BaseException], ...] = (asyncio.TimeoutError, *ray_cluster.actor_errors())
         while not self._closed:
             await asyncio.sleep(WATCH_S)
             try:
                 info = await asyncio.wait_for(replica.actor.ping.remote(), PING_TIMEOUT_S)
-            except (asyncio.TimeoutError, *errors) as exc:
+            except silent as exc:
                 self._mark_down(replica, exc)
                 self._check_all_down()
                 continue

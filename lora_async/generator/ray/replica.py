@@ -9,7 +9,8 @@ thread, its registry); this class only adapts it to Ray calls. It is an async ac
   calls it after creation and again after Ray restarts the actor, then registers the live
   versions before it routes anything here.
 - `add_version(meta, array)` registers a version from the object store (Ray hands the array
-  over zero-copy on this node); the checksum is checked here, on every replica.
+  over zero-copy on this node; `meta` is a `handoff.PackMeta`, pickled by Ray); the checksum is
+  checked here, on every replica (`handoff.receive.receive_object`).
 - A request names the exact version the router chose (`GenRequest.version`).
 - An engine that dies takes the actor down with it (`os._exit`), so that Ray restarts it and
   the router sees one kind of failure: a dead actor.
@@ -27,10 +28,15 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from ...handoff import PackMeta
 from ..spec import EngineSpec
-from ..types import Delivery, GenRequest, GenResult, GenStatus
+from ..types import Delivery, GenRequest, GenResult, GeneratorDead, GenStatus, PublishStats
+
+if TYPE_CHECKING:
+    from ..engine import VllmGenerator
+    from ..vllm.client import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +48,7 @@ class Replica:
         quiet_start(spec.engine_log)  # before vLLM is imported here: the CLI's quiet start, in this process
         self.spec, self.model_name, self.index = spec, model_name, index
         self.incarnation = uuid.uuid4().hex  # a new one each time Ray (re)starts this actor
-        self.generator: Any = None
+        self.generator: VllmGenerator | None = None
         self.started_s: float | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -54,7 +60,7 @@ class Replica:
             self.started_s = time.perf_counter() - began
         return self.ping()
 
-    def _build(self, slot: int | None, cores: int) -> Any:
+    def _build(self, slot: int | None, cores: int) -> VllmGenerator:
         import torch
 
         from ...placement import Placement
@@ -93,7 +99,7 @@ class Replica:
             self.generator = None
 
     # ---------------------------------------------------------------- versions
-    async def add_version(self, meta: dict, array: Any) -> dict:
+    async def add_version(self, meta: PackMeta, array: Any) -> dict[str, float]:
         """Register a packed version from the object store; returns the milliseconds it took here
         (`ms`) and, of those, the wait for the engine to finish its current step (`wait_ms`).
         A damaged or malformed buffer raises PackError and nothing is registered."""
@@ -101,14 +107,16 @@ class Replica:
         stats = await asyncio.to_thread(self._register, meta, array)  # off the actor's loop: pings go on
         return {"ms": (time.perf_counter() - began) * 1000, "wait_ms": stats.wait_ms}
 
-    def _register(self, meta: dict, array: Any) -> Any:
-        from ...sync.receive import receive_object
+    def _register(self, meta: PackMeta, array: Any) -> PublishStats:
+        from ...handoff.receive import receive_object
 
         gen = self._engine()
         tensors = receive_object(meta, array)  # the one copy, and the checksum check
-        config = dict(meta.get("peft_config") or {})
-        return gen.register(Delivery(meta["adapter"], int(meta["version"]), int(meta["nbytes"]), "ray",
-                                     lambda client, int_id: client.add_tensors(int_id, tensors, config)))
+
+        def load(engine: EngineClient, int_id: int) -> None:
+            engine.add_tensors(int_id, tensors, meta.peft_config)
+
+        return gen.register(Delivery(meta.adapter, meta.version, meta.nbytes, "ray", load))
 
     def live_versions(self, adapter: str) -> list[int]:
         return self._engine().registry.versions(adapter)
@@ -118,14 +126,19 @@ class Replica:
 
     # ---------------------------------------------------------------- requests
     async def generate(self, request: GenRequest) -> GenResult:
-        from ..types import GeneratorDead
-
         gen = self._engine()
         loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
+        future: asyncio.Future[GenResult] = loop.create_future()
+
+        def settle(result: GenResult) -> None:
+            if not future.done():
+                future.set_result(result)
+
+        def done(result: GenResult) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(settle, result)
+
         try:
-            gen.submit(request, lambda result: loop.call_soon_threadsafe(
-                lambda: future.done() or future.set_result(result)))
+            gen.submit(request, done)
         except GeneratorDead as exc:
             self._die(str(exc))
         result: GenResult = await future
@@ -138,12 +151,12 @@ class Replica:
             self.generator.abort_older(adapter, min_version, tag)
 
     # ---------------------------------------------------------------- internals
-    def _engine(self) -> Any:
+    def _engine(self) -> VllmGenerator:
         if self.generator is None:
             raise RuntimeError(f"replica {self.index}: the engine is not started")
         return self.generator
 
-    def _die(self, why: str) -> None:
+    def _die(self, why: str) -> NoReturn:
         """A dead engine ends the actor, so Ray restarts it (an ordinary exit would not be restarted)."""
         log.error("replica %d: %s; exiting so that Ray restarts it", self.index, why)
         os._exit(1)

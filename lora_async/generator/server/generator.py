@@ -3,9 +3,9 @@
 Same contract as the in-process engine (`types.Generator`): requests name an adapter and come
 back with the version that produced them, token ids and per-token sampling logprobs. Versions
 are served under `<name>@v<k>`: the `http` transport writes each one as a PEFT directory and its
-delivery loads it on every replica through this generator's `ServerClient`; a version is
-unloaded everywhere once it is drained and out of the staleness window. Requests go to the
-replicas in turn. A remote request cannot be aborted: `abort_older` lets it finish (the buffer
+delivery loads it on every replica through this generator's `ServerClient` (its receiver); a
+version is unloaded everywhere once it is drained and out of the staleness window. Requests go
+to the replicas in turn. A remote request cannot be aborted: `abort_older` lets it finish (the buffer
 then drops its group as stale).
 
 Start the servers with `lora-async server MODEL` (runtime LoRA loading, processed logprobs).
@@ -18,13 +18,19 @@ import itertools
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from ..registry import LiveVersion, VersionRegistry
+from ...staleness import StalenessWindow
+from ..registry import LiveVersion, VersionRegistry, register_version
 from ..types import (AdapterVersion, Delivery, GenRequest, GenResult, GeneratorStats, GenStatus, PublishStats,
                      Sample, hand_back)
 from ..validate import BaseShapes, VersionCheck
 from .client import ServerClient, ServerError
+
+if TYPE_CHECKING:
+    from ...config import ServerGeneratorConfig, TrainConfig
+
+T = TypeVar("T")
 
 
 MAX_CONCURRENT_REQUESTS = 64  # HTTP requests in flight across all replicas
@@ -32,14 +38,18 @@ REGISTRY_CAPACITY = 1 << 20  # the servers size their own LoRA caches and reload
 
 
 class ServerGenerator:
-    def __init__(self, client: ServerClient, model_dir: Path, max_staleness: int, max_lora_rank: int,
+    """Remote replicas behind one `types.Generator[ServerClient]`."""
+
+    serving_dtype = None  # each server casts the PEFT directories it loads itself
+
+    def __init__(self, client: ServerClient, model_dir: Path, window: StalenessWindow, max_lora_rank: int,
                  request_timeout_s: float = 600.0) -> None:
         from transformers import AutoTokenizer
 
         self.client = client
         self.request_timeout_s = request_timeout_s
         self.stats = GeneratorStats()
-        self.registry = VersionRegistry(max_staleness, REGISTRY_CAPACITY)
+        self.registry = VersionRegistry(window, REGISTRY_CAPACITY)
         self._lock = threading.RLock()  # the registry and the busy clock, shared by request threads
         self.check = VersionCheck(BaseShapes.from_model_dir(model_dir), max_lora_rank, self.registry, self.stats,
                                   self._lock)
@@ -52,10 +62,9 @@ class ServerGenerator:
         self.base_model = self._check_servers()
 
     @classmethod
-    def from_config(cls, config: Any, model_dir: Path) -> "ServerGenerator":
-        """The generator a run's `[generator]` (type "server") describes."""
-        gen = config.generator
-        return cls(ServerClient(gen.urls, gen.api_key), model_dir, config.buffer.max_staleness,
+    def from_config(cls, config: TrainConfig, gen: ServerGeneratorConfig, model_dir: Path) -> "ServerGenerator":
+        """The generator a run's `[generator]` (type "server", `gen`) describes."""
+        return cls(ServerClient(gen.urls, gen.api_key), model_dir, config.buffer.window,
                    config.max_lora_rank, gen.request_timeout_s)
 
     def _check_servers(self) -> str:
@@ -92,23 +101,12 @@ class ServerGenerator:
     def validate(self, version: AdapterVersion, values: bool = True) -> None:
         self.check(version, values)
 
-    def register(self, delivery: Delivery) -> PublishStats:
+    def register(self, delivery: Delivery[ServerClient]) -> PublishStats:
         """Load a delivered version on every replica (`delivery.load(client, int_id)`)."""
-        with self._lock:
-            self.registry.check_new(delivery.adapter, delivery.version)
-            int_id = self.registry.reserve_id()
-        try:
-            delivery.load(self.client, int_id)
-        except Exception:
-            self.stats.version_rejected()
-            raise
-        with self._lock:
-            live = self.registry.add(delivery.adapter, delivery.version, int_id)
-            live.path = delivery.path
-            retired = [self._retire(old) for old in self.registry.retirable()]
-        return PublishStats(delivery.adapter, delivery.version, live.vllm_name, int_id, delivery.nbytes,
-                            (time.perf_counter() - delivery.started) * 1000, retired,
-                            transport=delivery.transport)
+        return register_version(self.registry, delivery, self.client, self.stats, retire=self._retire, lock=self._lock)
+
+    def with_receiver(self, fn: Callable[[ServerClient], T]) -> T:
+        return fn(self.client)
 
     def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
         """HTTP requests in flight cannot be cut short; they finish and their groups are dropped."""

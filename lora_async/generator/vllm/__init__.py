@@ -1,4 +1,7 @@
 """Everything that touches vLLM itself: `compat` (every internal used, checked for one vLLM
-version), `worker` (the extension mixed into vLLM's worker), `hotswap` (how it registers versions:
-vLLM's own build, or a retired version's LoRAModel refilled in place), `client` (the typed handle the
-generator drives the engine through) and `cpu_lora_ops` (faster CPU LoRA kernels)."""
+version; the others import it, never the reverse), `worker` (the extension mixed into vLLM's
+worker), `hotswap` (how it registers versions: vLLM's own build, or a retired version's
+LoRAModel refilled in place), `swap_plans` (what the refill follows: where each tensor lands in
+vLLM's LoRAModel and LoRA slots, learned once per structure), `client` (the typed handle the
+generator drives the engine through, and its receiver of versions) and `cpu_lora_ops` (faster
+CPU LoRA kernels)."""

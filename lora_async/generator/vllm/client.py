@@ -1,12 +1,15 @@
-"""`EngineClient`: lora-async's one handle on a vLLM engine.
+"""`EngineClient`: lora-async's one handle on a vLLM engine, and the generator's receiver.
 
 It starts the engine (in this process, or its core in a child process), submits and steps
 requests, and calls lora-async's worker extension (`worker.py`) through typed methods: the RPC
 names come from the extension's own methods, so a rename fails at import, not at run time.
-Used only from the generator's engine thread (`engine.VllmGenerator`), which owns it.
+Used only from the generator's engine thread (`engine.VllmGenerator`), which owns it; it is what
+a delivery loads into there (`receivers.EngineReceiver`).
 
-Errors are typed on the way out: a dead engine process becomes `GeneratorDead`, a transfer the
-worker refused becomes `PackError` (the worker replies with data, see worker.py).
+A packed version's `PackMeta` crosses `collective_rpc` as plain data (`to_dict`): vLLM decodes
+RPC arguments without custom types, and the worker rebuilds it (`from_dict`). Errors are typed
+on the way out: a dead engine process becomes `GeneratorDead`, a transfer the worker refused
+becomes `PackError` (the worker replies with data, see worker.py).
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from ...handoff import PackError
 from ...placement import format_cpus
-from ...sync.pack import PackError
 from ..types import GenRequest, GeneratorDead, Sample
 from ..validate import AdapterError
 from . import compat
 from .worker import LoraAsyncWorkerExtension as Worker
 
 if TYPE_CHECKING:
+    import torch
+
+    from ...handoff import PackMeta
     from ...placement import Placement
     from ..spec import EngineSpec
 
@@ -40,8 +46,9 @@ class LoraRef:
 
 
 class EngineClient:
-    def __init__(self, engine: Any, watch_stop: threading.Event | None = None) -> None:
+    def __init__(self, engine: Any, watch_stop: threading.Event | None = None, in_process: bool = True) -> None:
         self.engine = engine  # vLLM's LLMEngine (tests and benchmarks may reach it directly)
+        self.in_process = in_process  # False: the engine core and its worker run in a child process
         self._watch_stop = watch_stop
         self._dead_error = compat.engine_dead_error()
 
@@ -77,7 +84,7 @@ class EngineClient:
         if spec.separate_process:
             watch_stop = threading.Event()
             watch_engine_core(engine, watch_stop)
-        client = cls(engine, watch_stop)
+        client = cls(engine, watch_stop, in_process=not spec.separate_process)
         if spec.separate_process and on_cpu and spec.fast_cpu_lora:
             client._rpc(Worker.lora_async_install_fast_ops)
         return client
@@ -122,24 +129,24 @@ class EngineClient:
         return self.engine.get_tokenizer()
 
     # ---------------------------------------------------------------- adapters (worker extension)
-    def add_tensors(self, int_id: int, tensors: dict, peft_config: dict, borrowed: bool = False,
-                    flat: Any = None) -> None:
+    def add_tensors(self, int_id: int, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any],
+                    borrowed: bool = False, flat: torch.Tensor | None = None) -> None:
         """`borrowed`: the tensors stay the caller's (an in-process engine); the worker copies
         them and checks their values on that copy (a refusal raises AdapterError). `flat`: the
         buffer they are views of, in order (`AdapterVersion.flat`), copied with one op."""
         self._registered(self._rpc(Worker.lora_async_add_tensors, int_id, tensors, peft_config, borrowed, flat))
 
-    def add_shm(self, int_id: int, segment: str, meta: dict) -> None:
-        self._registered(self._rpc(Worker.lora_async_add_shm, int_id, segment, meta))
+    def add_shm(self, int_id: int, segment: str, meta: PackMeta) -> None:
+        self._registered(self._rpc(Worker.lora_async_add_shm, int_id, segment, meta.to_dict()))
 
-    def add_ipc(self, int_id: int, handle: bytes, meta: dict) -> None:
-        self._registered(self._rpc(Worker.lora_async_add_ipc, int_id, handle, meta))
+    def add_ipc(self, int_id: int, handle: bytes, meta: PackMeta) -> None:
+        self._registered(self._rpc(Worker.lora_async_add_ipc, int_id, handle, meta.to_dict()))
 
     def join_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> list[int]:
         return self._rpc(Worker.lora_async_join_group, host, port, world_size, backend, timeout_s)
 
-    def add_broadcast(self, int_id: int, meta: dict) -> None:
-        self._registered(self._rpc(Worker.lora_async_add_broadcast, int_id, meta))
+    def add_broadcast(self, int_id: int, meta: PackMeta) -> None:
+        self._registered(self._rpc(Worker.lora_async_add_broadcast, int_id, meta.to_dict()))
 
     def add_dir(self, name: str, int_id: int, path: str) -> None:
         """Let vLLM load a PEFT directory itself (its own loader, as `vllm serve` would)."""
@@ -150,7 +157,7 @@ class EngineClient:
     def remove(self, int_id: int) -> None:
         self._rpc(Worker.lora_async_remove, int_id)
 
-    def hotswap_stats(self) -> dict:
+    def hotswap_stats(self) -> dict[str, int]:
         """The (first) worker's registration counters (hotswap.py): built, recycled, activations."""
         return self._rpc(Worker.lora_async_hotswap_stats)[0]
 

@@ -11,14 +11,15 @@
 | `SyncMPClient`/`MPClient` (`resources.engine_dead`, `outputs_queue`, `utility_results`), `EngineDeadError` | client.py | vLLM 0.32 notices a dead engine process but leaves its callers blocked |
 | `LLMEngine.from_engine_args(enable_multiprocessing=)`, `LLMEngine.engine_core.shutdown()`, `vllm_config.lora_config` | client.py | the engine core in its own process; a clean stop; the slots the engine really has |
 | `EngineArgs` fields and the `VLLM_*` environment variables below | client.py | how the engine is built |
-| `vllm.lora.punica_wrapper.punica_cpu` ops | cpu_lora_ops.py | the grouped CPU LoRA ops replace them |
+| `vllm.lora.punica_wrapper.punica_cpu` ops and their arity (`PUNICA_OPS`) | cpu_lora_ops.py | the grouped CPU LoRA ops replace them |
 | `vllm.model_executor.layers.quantization.QUANTIZATION_METHODS` | client.py | `generator.quantization` is refused in one line where vLLM lacks the method |
 
 The release itself is checked first (`check_vllm_version`, from package metadata): pyproject's
 `gpu` and `cpu` extras pin `PINNED`, and another release is refused in one line naming both.
 
 `check_vllm_compat()` verifies all of it and raises `VllmCompatError` naming what changed; the
-generator calls it before it starts an engine, and `tests/test_vllm_ext.py` pins it.
+generator calls it before it starts an engine, and `tests/test_vllm_ext.py` pins it. The other
+modules of `generator/vllm/` import this one, never the reverse.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ HOTSWAP_SOURCES = {
     "LogitsProcessorWithLoRA.reset_lora": ("self.lora_a_stacked[index] = 0", "self.lora_b_stacked[index] = 0"),
 }
 ENV_VARS = ("VLLM_LOGGING_LEVEL", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")
+# The CPU punica ops cpu_lora_ops.py replaces in `vllm.lora.punica_wrapper.punica_cpu`, with the
+# parameters each takes in vLLM's reference (`vllm.lora.ops.torch_ops`); ours take as many.
+PUNICA_OPS = {"bgmv_shrink": 5, "bgmv_expand": 5, "bgmv_expand_slice": 7,
+              "sgmv_shrink": 10, "sgmv_expand": 10, "sgmv_expand_slice": 12}
 
 
 class VllmCompatError(RuntimeError):
@@ -137,8 +142,6 @@ def check_vllm_compat() -> str:
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
     from vllm.v1.engine.core_client import MPClient, SyncMPClient
     from vllm.v1.engine.llm_engine import LLMEngine
-
-    from .cpu_lora_ops import punica_problems
 
     problems = lora_problems(LoRARequest, LoRAModel, LRUCacheWorkerLoRAManager, PEFTHelper)
     problems += engine_client_problems(SyncMPClient, MPClient)
@@ -265,6 +268,22 @@ def hotswap_problems(sources: dict[str, tuple[str, ...]] | None = None) -> list[
     import torch
 
     problems += [f"torch.{name} is gone" for name in ("_foreach_copy_", "_foreach_zero_") if not hasattr(torch, name)]
+    return problems
+
+
+def punica_problems() -> list[str]:
+    """What no longer matches in vLLM's CPU punica ops (`PUNICA_OPS`; empty when all is well)."""
+    import vllm.lora.ops.torch_ops as reference
+    import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
+
+    problems = []
+    for name, count in PUNICA_OPS.items():
+        if not hasattr(punica_cpu, name) or not hasattr(reference, name):
+            problems.append(f"vllm.lora.punica_wrapper.punica_cpu no longer uses {name}")
+            continue
+        theirs = inspect.signature(getattr(reference, name)).parameters
+        if len(theirs) != count:
+            problems.append(f"vLLM's {name} now takes {list(theirs)}")
     return problems
 
 

@@ -6,24 +6,15 @@ few adapters, so these group tokens by adapter slot and run one matmul per slot.
 arithmetic, same dtypes, same semantics for every index (negative ones included); measured 1.5x
 faster generation with an r=8 adapter on the 135M model, 64 prompts x 64 tokens on 2 cores
 (`lora-async bench gen`, bench/RESULTS.md). `tests/test_vllm_ext.py` checks them against vLLM's
-own functions on random inputs.
+own functions on random inputs. Which ops they replace, and vLLM's signatures of them, are
+listed and checked in `compat.py` (`PUNICA_OPS`).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from .compat import VllmCompatError
-
-_PATCHED_OPS = (
-    "bgmv_shrink",
-    "bgmv_expand",
-    "bgmv_expand_slice",
-    "sgmv_shrink",
-    "sgmv_expand",
-    "sgmv_expand_slice",
-)
+from . import compat
 
 
 def _grouped_matmul(inputs: Any, weights: Any, indices: Any, dtype: Any) -> Any:
@@ -92,33 +83,18 @@ def sgmv_expand_slice(inputs, w, out, b_seq_start_loc, seq_len_tensor, lora_indi
     )
 
 
-def _ours() -> dict[str, Any]:
-    return {name: globals()[name] for name in _PATCHED_OPS}
-
-
-def punica_problems() -> list[str]:
-    """What no longer matches between vLLM's CPU punica ops and ours (empty when all is well)."""
-    import vllm.lora.ops.torch_ops as reference
-    import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
-
-    problems = []
-    for name, ours in _ours().items():
-        if not hasattr(punica_cpu, name) or not hasattr(reference, name):
-            problems.append(f"vllm.lora.punica_wrapper.punica_cpu no longer uses {name}")
-            continue
-        theirs = inspect.signature(getattr(reference, name)).parameters
-        if len(theirs) != len(inspect.signature(ours).parameters):
-            problems.append(f"vLLM's {name} now takes {list(theirs)}")
-    return problems
+def ours() -> dict[str, Any]:
+    """Our replacement of each op in `compat.PUNICA_OPS`, by name."""
+    return {name: globals()[name] for name in compat.PUNICA_OPS}
 
 
 def install_fast_cpu_lora_ops() -> bool:
     """Point vLLM's CPU punica wrapper at the grouped ops (in this process). Idempotent."""
     import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
 
-    problems = punica_problems()
+    problems = compat.punica_problems()
     if problems:
-        raise VllmCompatError("; ".join(problems))
-    for name, ours in _ours().items():
-        setattr(punica_cpu, name, ours)
+        raise compat.VllmCompatError("; ".join(problems))
+    for name, op in ours().items():
+        setattr(punica_cpu, name, op)
     return True

@@ -6,30 +6,42 @@ into vLLM's worker (`worker_extension_cls`) and reached through `collective_rpc`
 `client.EngineClient`). It builds the `LoRAModel` with `LoRAModel.from_lora_tensors` (what
 `_load_adapter` does after reading the files) and puts it in the worker's adapter cache under a
 fresh int id. A request that later names that id finds it registered and never touches
-`lora_path`. Every cross-process transport's receiving half ends here (`sync/receive.py`).
+`lora_path`. Every cross-process transport's receiving half (`handoff/receive.py`) ends here.
 A version with the structure of one seen before is copied into a retired version's LoRAModel
 and activated into a free slot directly (`hotswap.py`).
 
-Replies are plain data, because vLLM's RPC keeps only the text of a worker's exception: a
-transfer the worker refuses (checksum, truncation) comes back as `{"rejected": why}` and the
-client raises `PackError` from it; values it refuses (NaN, Inf: checked here for borrowed
-tensors) as `{"invalid": why}`, raised as `AdapterError`; success is `{"registered": n}`.
+Arguments and replies are plain data, because vLLM's RPC decodes arguments without custom types
+and keeps only the text of a worker's exception: a packed version's metadata arrives as
+`PackMeta.to_dict()` and is rebuilt here; a transfer the worker refuses (malformed metadata,
+checksum, truncation) comes back as `{"rejected": why}` and the client raises `PackError` from
+it; values it refuses (NaN, Inf: checked here for borrowed tensors) as `{"invalid": why}`,
+raised as `AdapterError`; success is `{"registered": n}`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable
 
-from ...sync.pack import PackError
+from ...handoff import PackError, PackMeta
 from .hotswap import HotSwap, InvalidValues
+
+if TYPE_CHECKING:
+    import torch
+
+Received = Callable[[PackMeta], "dict[str, torch.Tensor]"]  # a receiving half, given the version's metadata
 
 
 class LoraAsyncWorkerExtension:
     """Mixed into vLLM's worker class. Method names carry a `lora_async_` prefix: vLLM refuses
     extensions whose attributes clash with the worker's own."""
 
+    # Provided by the vLLM worker this class is mixed into (an annotation only: no attribute
+    # of ours, so nothing clashes with the worker's own).
+    model_runner: Any
+
     def _lora_async_manager(self) -> Any:
-        manager = getattr(self.model_runner, "lora_manager", None)  # type: ignore[attr-defined]
+        manager = getattr(self.model_runner, "lora_manager", None)
         if manager is None:
             raise RuntimeError("LoRA is not enabled in this vLLM engine")
         return manager
@@ -40,15 +52,16 @@ class LoraAsyncWorkerExtension:
             swap = self._lora_async_hotswap = HotSwap()
         return swap
 
-    def _lora_async_register(self, int_id: int, receive: Callable[[], dict], peft_config: dict) -> dict:
+    def _lora_async_register(self, int_id: int, meta: dict[str, Any], receive: Received) -> dict[str, Any]:
         try:
-            tensors = receive()
+            packed = PackMeta.from_dict(meta)
+            tensors = receive(packed)
         except PackError as exc:
             return {"rejected": str(exc)}
-        return self.lora_async_add_tensors(int_id, tensors, peft_config)
+        return self.lora_async_add_tensors(int_id, tensors, packed.peft_config)
 
-    def lora_async_add_tensors(self, int_id: int, tensors: dict, peft_config: dict, borrowed: bool = False,
-                               flat: Any = None) -> dict:
+    def lora_async_add_tensors(self, int_id: int, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any],
+                               borrowed: bool = False, flat: torch.Tensor | None = None) -> dict[str, Any]:
         """Register adapter `int_id` from tensors: owned copies the caller no longer touches, or
         (`borrowed`, an in-process sender) the sender's own, copied here and value-checked;
         `flat`: the one buffer they are views of, in order (copied with one op when it can).
@@ -63,42 +76,42 @@ class LoraAsyncWorkerExtension:
             return {"invalid": str(exc)}
         return {"registered": len(manager._adapter_manager)}
 
-    def lora_async_add_shm(self, int_id: int, segment: str, meta: dict) -> dict:
+    def lora_async_add_shm(self, int_id: int, segment: str, meta: dict[str, Any]) -> dict[str, Any]:
         """Register from a POSIX shared-memory segment the sender owns (one copy out of it)."""
-        from lora_async.sync.receive import receive_shm
+        from lora_async.handoff.receive import receive_shm
 
-        return self._lora_async_register(int_id, lambda: receive_shm(segment, meta), meta["peft_config"])
+        return self._lora_async_register(int_id, meta, lambda packed: receive_shm(segment, packed))
 
-    def lora_async_add_ipc(self, int_id: int, handle: bytes, meta: dict) -> dict:
+    def lora_async_add_ipc(self, int_id: int, handle: bytes, meta: dict[str, Any]) -> dict[str, Any]:
         """Register from a CUDA IPC handle to the sender's packed buffer (one copy out of it)."""
-        from lora_async.sync.receive import receive_ipc
+        from lora_async.handoff.receive import receive_ipc
 
-        return self._lora_async_register(int_id, lambda: receive_ipc(handle, meta), meta["peft_config"])
+        return self._lora_async_register(int_id, meta, lambda packed: receive_ipc(handle, packed))
 
     def lora_async_join_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> int:
         """Join the sender's dedicated process group as rank 1 + this worker's rank."""
-        from lora_async.sync.receive import CollectiveReceiver
+        from lora_async.handoff.receive import CollectiveReceiver
 
         rank = 1 + int(getattr(self, "rank", 0))
         device = str(getattr(self, "device", "cpu")) if backend == "nccl" else "cpu"
         self._lora_async_receiver = CollectiveReceiver(host, port, rank, world_size, backend, timeout_s, device)
         return rank
 
-    def lora_async_add_broadcast(self, int_id: int, meta: dict) -> dict:
+    def lora_async_add_broadcast(self, int_id: int, meta: dict[str, Any]) -> dict[str, Any]:
         """Receive one broadcast of a packed adapter from the sender (rank 0), then register it."""
         receiver = getattr(self, "_lora_async_receiver", None)
         if receiver is None:
             raise RuntimeError("this worker has not joined a lora-async process group")
-        return self._lora_async_register(int_id, lambda: receiver.receive(meta), meta["peft_config"])
+        return self._lora_async_register(int_id, meta, receiver.receive)
 
     def lora_async_remove(self, int_id: int) -> bool:
         """Remove a retired version (nothing in flight uses it); its LoRAModel may be recycled."""
         return self._lora_async_swap().remove(self._lora_async_manager(), int_id)
 
-    def lora_async_hotswap_stats(self) -> dict:
+    def lora_async_hotswap_stats(self) -> dict[str, int]:
         """How versions were registered: built, recycled, and activated by us or by vLLM."""
         swap = self._lora_async_swap()
-        return {**swap.stats, "spares": sum(len(s) for s in swap.spares.values())}
+        return {**dataclasses.asdict(swap.stats), "spares": sum(len(s) for s in swap.spares.values())}
 
     def lora_async_list(self) -> list[int]:
         return sorted(self._lora_async_manager().list_adapters())
@@ -119,5 +132,5 @@ class LoraAsyncWorkerExtension:
         """A full-weight sync, for comparison (benchmark only): the whole base state dict goes
         through vLLM's in-place reload (`load_weights` plus kernel re-processing). vLLM drops
         its LoRA state afterwards, so the generator must not be used for adapters after this."""
-        self.model_runner.reload_weights(weights_iterator=iter(state_dict.items()))  # type: ignore[attr-defined]
+        self.model_runner.reload_weights(weights_iterator=iter(state_dict.items()))
         return len(state_dict)

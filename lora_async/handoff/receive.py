@@ -1,8 +1,9 @@
 """The receiving half of every cross-process transport: torch only, no vLLM.
 
 Each function ends with tensors the receiver owns (one copy out of the transport's memory),
-after the checksum and bounds checks of `pack.unpack_views`. The vLLM worker extension calls
-these; the GPU transport check (`bench/gpu_transport_check.py`) calls them without vLLM.
+after the checksum and bounds checks of `packed.unpack_views`. The vLLM worker extension and
+the Ray replicas call these; the GPU transport check (`bench/gpu_transport_check.py`) calls
+them without vLLM.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ from typing import Any
 import torch
 
 from ..process_groups import broadcast, make_group, make_store
-from .pack import PackedAdapter, PackError, unpack_views
+from .packed import PackedAdapter, PackError, PackMeta, unpack_views
 
-def _owned(meta: dict, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+
+def _owned(meta: PackMeta, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     """Views into `buffer` (which must already be the receiver's own copy), checked."""
-    packed = PackedAdapter.from_meta(meta, buffer)
-    return unpack_views(packed)
+    return unpack_views(PackedAdapter.received(meta, buffer))
 
 
-def receive_shm(segment: str, meta: dict) -> dict[str, torch.Tensor]:
+def receive_shm(segment: str, meta: PackMeta) -> dict[str, torch.Tensor]:
     """Copy a packed adapter out of the POSIX shared-memory segment `segment`.
 
     Opened with `shm_open` + `mmap` directly: `multiprocessing.shared_memory` would register
@@ -32,7 +33,7 @@ def receive_shm(segment: str, meta: dict) -> dict[str, torch.Tensor]:
     import _posixshmem
     import numpy as np
 
-    nbytes = int(meta["nbytes"])
+    nbytes = meta.nbytes
     try:
         fd = _posixshmem.shm_open("/" + segment.lstrip("/"), os.O_RDONLY, mode=0)
     except FileNotFoundError as exc:
@@ -53,7 +54,7 @@ def receive_shm(segment: str, meta: dict) -> dict[str, torch.Tensor]:
     return _owned(meta, buffer)
 
 
-def receive_object(meta: dict, array: Any) -> dict[str, torch.Tensor]:
+def receive_object(meta: PackMeta, array: Any) -> dict[str, torch.Tensor]:
     """Copy a packed adapter out of a Ray object (a read-only uint8 array, zero-copy from the
     object store on the receiver's node) into a buffer of our own."""
     import numpy as np
@@ -65,11 +66,10 @@ def receive_object(meta: dict, array: Any) -> dict[str, torch.Tensor]:
     return _owned(meta, buffer)
 
 
-def receive_ipc(handle: bytes, meta: dict, device: str = "cpu") -> dict[str, torch.Tensor]:
+def receive_ipc(handle: bytes, meta: PackMeta, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Copy a packed adapter out of another process's CUDA buffer (a `reduce_tensor` handle).
 
     The sender keeps its buffer alive until this returns."""
-
     rebuild, args = pickle.loads(handle)
     source = rebuild(*args)
     buffer = source.to(device, copy=True)
@@ -86,8 +86,8 @@ class CollectiveReceiver:
         store = make_store(host, port, world_size, False, timeout_s)
         self.group = make_group(store, rank, world_size, backend, timeout_s)
 
-    def receive(self, meta: dict) -> dict[str, torch.Tensor]:
-        buffer = torch.empty(int(meta["nbytes"]), dtype=torch.uint8, device=self.device)
+    def receive(self, meta: PackMeta) -> dict[str, torch.Tensor]:
+        buffer = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device)
         broadcast(self.group, buffer)
         if buffer.device.type != "cpu":
             buffer = buffer.cpu()  # vLLM builds LoRA models on the CPU, then activates them
