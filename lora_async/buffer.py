@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from .staleness import StalenessWindow
 
 if TYPE_CHECKING:  # rollout.py builds on the Group defined here; only the annotation looks back
-    from .rollout import EpisodeStats
+    from .outcomes import EpisodeStats
 
 
 @dataclass

@@ -18,7 +18,8 @@ from lora_async.config import TrainConfig
 from lora_async.generator.types import GenRequest, GenResult, GenStatus, generate_async
 from lora_async.orchestrator.rollouts import ROLLOUT_TAG, record
 from lora_async.orchestrator.state import AdapterRun, Counters
-from lora_async.rollout import EpisodeStats, GroupRollout, Outcome, RolloutContext
+from lora_async.outcomes import EpisodeStats, Outcome
+from lora_async.rollout import GroupRollout, RolloutContext
 from lora_async.tasks import make_source
 
 from .fakes import ByteTokenizer, FakeGenerator

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..generator.types import GenRequest, GenResult, GenStatus
-from ..rollout import Generate, Outcome
+from ..outcomes import Outcome
+from ..rollout import Generate
 from .api import Message, Reply, StepResult, ToolResult
 from .render import ChatRenderer
 from .tools import ToolBox, parse_tool_calls, strip_tool_calls

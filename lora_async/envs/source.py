@@ -23,8 +23,8 @@ from typing import Any
 
 from ..buffer import Group, TrainSample, group_advantages
 from ..config import EnvTask
-from ..rollout import (EVAL_EXAMPLES, EpisodeStats, EvalResult, Generate, GroupRollout, Outcome, RewardStats,
-                       RolloutContext)
+from ..outcomes import EpisodeStats, Outcome
+from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext
 from ..tasks.rewards import Reward, RewardFailed
 from .api import Split, check_env
 from .episode import Episode, EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, guarded

@@ -12,7 +12,7 @@ import asyncio
 
 from ..buffer import Group
 from ..loss import has_gradient
-from ..rollout import EpisodeStats
+from ..outcomes import EpisodeStats
 from .state import MAX_PULL_FACTOR, AdapterRun, Run, StepMarks, samples_of
 
 TAKE_POLL_S = 1.0  # how often a waiting collector re-checks the limits and the run's state

@@ -24,7 +24,8 @@ from rich.console import Console
 from ..buffer import Group, RolloutBuffer, TrainSample
 from ..generator.types import GenRequest, GenResult, Generator, GeneratorStats, generate_async
 from ..learner.api import LearnerAPI
-from ..rollout import EpisodeStats, RolloutSource
+from ..outcomes import EpisodeStats
+from ..rollout import RolloutSource
 from .admission import Admission
 
 if TYPE_CHECKING:
