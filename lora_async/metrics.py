@@ -92,7 +92,7 @@ class MetricsWriter:
         except Exception as exc:  # tensorboard missing: keep the JSONL, say so once
             console.print(f"[yellow]TensorBoard disabled: {exc}[/]")
         self._adapters = list(adapters)
-        self._accuracy: dict[str, float] = {}
+        self._accuracy: dict[str, tuple[float, int]] = {}  # per adapter: the newest eval (accuracy, its step)
         self._last_line = -math.inf
         self._started = time.perf_counter()
         self._progress: Progress | None = None
@@ -127,11 +127,12 @@ class MetricsWriter:
     def _line(self, row: dict[str, Any], tps: float) -> str:
         """The one-line step summary for logs."""
         who = f"{row['adapter']} " if len(self._adapters) > 1 else ""
-        accuracy = self._accuracy.get(row["adapter"])
+        evaluated = self._accuracy.get(row["adapter"])
+        # the held-out figure is as old as its eval: say which step it is from
+        accuracy = f"  accuracy {evaluated[0]:.2f} (step {evaluated[1]})" if evaluated is not None else ""
         _, _, limit = self._nearer_limit(row["step"], row["wall_s"])
         return (f"{who}step {row['step']} ({limit}) v{row.get('version')}  "
-                f"reward {row.get('reward_mean') or 0:.3f}"
-                + (f"  accuracy {accuracy:.2f}" if accuracy is not None else "")
+                f"reward {row.get('reward_mean') or 0:.3f}" + accuracy
                 + f"  {tps:.0f} tok/s  lag {row.get('policy_lag_mean') or 0:.1f}"
                 f"  sync {row.get('sync_ms') or 0:.1f} ms")
 
@@ -147,7 +148,7 @@ class MetricsWriter:
         row = {k: _clean(v) for k, v in row.items()}
         self._file.write(json.dumps(row) + "\n")
         if row.get("kind") == "eval" and row.get("accuracy") is not None:
-            self._accuracy[row["adapter"]] = row["accuracy"]
+            self._accuracy[row["adapter"]] = (row["accuracy"], int(row.get("step") or 0))
         self._scalars(row.get("kind", "event"), row)
 
     def _scalars(self, prefix: str, row: dict[str, Any]) -> None:

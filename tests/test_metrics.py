@@ -21,11 +21,18 @@ def test_without_a_terminal_a_summary_line_follows_the_nearer_limit(tmp_path):
                            console)
     writer.event({"kind": "eval", "adapter": "main", "step": 0, "accuracy": 0.25})
     writer.step(row(1, 30.0))  # 999 more steps at 30 s each: the time budget ends the run first
+    writer.step(row(2, 60.0))
+    writer.event({"kind": "eval", "adapter": "main", "step": 2, "accuracy": 0.75})
+    writer.step(row(3, 90.0))
     writer.close()
-    line = out.getvalue().strip().splitlines()[-1]
-    assert line.startswith("step 1 (30/300 s) v1") and "reward 0.500" in line and "accuracy 0.25" in line
+    first, second, third = out.getvalue().strip().splitlines()[-3:]
+    assert first.startswith("step 1 (30/300 s) v1") and "reward 0.500" in first
+    # a held-out figure says which step's eval it is, until a newer eval replaces it
+    assert "accuracy 0.25 (step 0)" in first and "accuracy 0.25 (step 0)" in second
+    assert "accuracy 0.75 (step 2)" in third
+    line = first
     assert "lag 1.0" in line and "sync 12.5 ms" in line and "tok/s" in line
-    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
 
 
 def test_lines_are_throttled_and_the_last_step_always_shows(tmp_path):
