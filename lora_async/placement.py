@@ -187,10 +187,8 @@ def place_run(config: "TrainConfig") -> tuple[Placement, list[Placement]]:
     """The generator's placement and one per learner rank, from the config alone (no model is
     loaded), so `lora-async train` rejects a placement this machine cannot give in seconds.
     Raises `PlacementError`."""
-    from .config import VllmGeneratorConfig
-
-    gen, learner = config.generator, config.learner
-    if not isinstance(gen, VllmGeneratorConfig):  # servers or Ray replicas: only the learner is placed
+    gen, learner = config.local_engine, config.learner
+    if gen is None:  # servers or Ray replicas: only the learner is placed
         generator, rank0 = resolve(None, None, learner.device, learner.cpus, concurrent=False,
                                    learner_devices=learner.devices)
     else:  # `auto` splits the cores only when generation and training run concurrently

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import TrainConfig, VllmGeneratorConfig
+from ..config import TrainConfig
 from .proc import last_error, run_logged, summarize_run
 
 
@@ -46,8 +46,8 @@ def run_e2e_bench(config: TrainConfig, budget: float, out: Path, eval_every: int
         cfg.run.eval_at_start = True
         cfg.run.eval_at_end = True
         cfg.run.progress = False
-        if isinstance(cfg.generator, VllmGeneratorConfig):  # an engine here: async splits the cores, sync shares
-            cfg.generator.cpus = "auto"
+        if cfg.local_engine is not None:  # an engine here: async splits the cores, sync shares
+            cfg.local_engine.cpus = "auto"
         cfg.learner.cpus = "auto"
         run_dir.mkdir(parents=True, exist_ok=True)
         config_file = run_dir.parent / f"{mode}.json"

@@ -162,6 +162,12 @@ class TrainConfig(Section):
         return vllm_rank(max(spec.lora.rank for spec in self.adapter_specs))
 
     @property
+    def local_engine(self) -> VllmGeneratorConfig | None:
+        """The `[generator]` of an engine this run starts on this machine (in this process or its
+        own); None for remote servers and Ray replicas."""
+        return self.generator if isinstance(self.generator, VllmGeneratorConfig) else None
+
+    @property
     def engine_settings(self) -> EngineSettings | None:
         """How this run's own vLLM engines are built (one in this process or its own, or each Ray
         replica's); None when it drives running servers instead."""

@@ -42,12 +42,11 @@ class EngineSpec:
         """The engine a run's `[generator]` (type "vllm", or each "ray" replica's) describes on
         `device`; evaluation engines override the adapters, the staleness window, the rank and
         the process."""
-        from ..config.backends import EngineSettings
         from ..dtypes import resolve_dtype
 
-        gen = config.generator
-        if not isinstance(gen, EngineSettings):  # narrows the [generator] union to those that build engines
-            raise ValueError(f"generator.type = {gen.type!r} runs no vLLM engine of this run's own")
+        gen = config.engine_settings
+        if gen is None:
+            raise ValueError(f"generator.type = {config.generator.type!r} runs no vLLM engine of this run's own")
         return cls(
             model_dir=Path(model_dir),
             adapters=tuple(config.adapter_names) if adapters is None else adapters,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .machine import GIB, ITEMSIZE, Layout, Machine, layout, local_engine, resolve_dtype
+from .machine import GIB, ITEMSIZE, Layout, Machine, layout, resolve_dtype
 from .shapes import ALL_LINEAR, ModelShape, NothingToPlan, load_shape
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ def plan_run(config: "TrainConfig", machine: Machine, shape: ModelShape | None =
         device_plan(device, learner_field).items += learner_items(config, shape, device, learner_dtype, part)
     problems: list[str] = []
     kv_tokens, gen_dtype = None, None
-    engine = local_engine(config)
+    engine = config.local_engine
     if where.generator is not None and engine is not None:  # an engine here (the layout placed it)
         target = device_plan(where.generator, "generator.device")
         gen_dtype = resolve_dtype(config.model.dtype, where.generator, machine)

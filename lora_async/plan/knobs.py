@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .estimate import Plan, plan_run
-from .machine import GIB, ITEMSIZE, Machine, local_engine
+from .machine import GIB, ITEMSIZE, Machine
 from .shapes import ModelShape, PlanUnavailable
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def largest_budget(config: "TrainConfig", machine: Machine, shape: ModelShape) -
 
 def generator_candidates(config: "TrainConfig", machine: Machine, shape: ModelShape,
                          plan: Plan) -> list[tuple[str, ...]]:
-    gen = local_engine(config)
+    gen = config.local_engine
     found: list[tuple[str, ...]] = []
     if gen is None:  # servers and Ray replicas plan their own memory
         return found

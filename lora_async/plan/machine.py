@@ -16,7 +16,7 @@ from ..placement import cpu_native_bf16
 from .shapes import PlanUnavailable
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig, VllmGeneratorConfig
+    from ..config import TrainConfig
 
 GIB = 1 << 30
 # A GPU driver's marks: without them torch would find no GPU, so it is not imported to ask.
@@ -80,15 +80,6 @@ class Layout:
     engine_separate: bool  # the engine core in a process of its own
 
 
-def local_engine(config: "TrainConfig") -> "VllmGeneratorConfig | None":
-    """The `[generator]` of an engine this run starts on this machine, the one the plan sizes;
-    None for remote servers and Ray replicas, which plan their own memory."""
-    from ..config import VllmGeneratorConfig
-
-    gen = config.generator
-    return gen if isinstance(gen, VllmGeneratorConfig) else None
-
-
 def _cuda(device: str) -> str:
     return "cuda:0" if device == "cuda" else device
 
@@ -97,7 +88,7 @@ def layout(config: "TrainConfig", gpus: int) -> Layout:
     """`placement.resolve`'s choice of devices on a machine with `gpus` GPUs: an `auto` learner
     takes cuda:1 when there are two GPUs and a local generator, else cuda:0; an `auto` generator
     takes the first GPU no learner rank lists; without GPUs both are on the CPU."""
-    gen = local_engine(config)
+    gen = config.local_engine
     ranks = [_cuda(d) for d in config.learner.devices] if config.learner.devices else None
     learner = _cuda(config.learner.device)
     if learner == "auto" and not ranks:
