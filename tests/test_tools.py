@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ from lora_async.envs.tools import (
     ToolBox, ToolError, fallback_tool_prompt, parse_tool_calls, strip_tool_calls, template_supports_tools,
     tool_schemas,
 )
-from tests.tool_fixtures import calculate, crash, nap, undocumented
+from tests.tool_fixtures import ameet, anap, calculate, crash, meet, nap, undocumented
 
 FORMAT = '<tool_call>{"name": ..., "arguments": {...}}</tool_call>'
 
@@ -135,16 +137,86 @@ def test_a_tool_that_kills_its_worker_is_an_error_and_the_next_call_works():
         box.close()
 
 
-def test_toolbox_calls_run_concurrently_off_the_event_loop(toolbox):
-    async def both():
-        started = time.monotonic()
-        results = await asyncio.gather(toolbox.run(ToolCall("nap", {"seconds": 0.6})),
-                                       toolbox.run(ToolCall("nap", {"seconds": 0.6})))
-        return results, time.monotonic() - started
+def meetings(box: ToolBox, name: str, directory: Path, parties: int) -> list[dict]:
+    """`parties` calls of a meeting tool at once, from one event loop; their parsed reports."""
+    call = ToolCall(name, {"directory": str(directory), "parties": parties, "patience": 20.0})
 
-    results, took = asyncio.run(both())
-    assert [r.content for r in results] == ["slept 0.6", "slept 0.6"]
-    assert took < 1.1  # two workers: side by side, not one after the other
+    async def together():
+        return await asyncio.gather(*(box.run(call) for _ in range(parties)))
+
+    results = asyncio.run(together())
+    assert not any(r.error for r in results), [r.content for r in results]
+    return [json.loads(r.content) for r in results]
+
+
+def test_plain_tool_calls_run_at_once_in_separate_processes(tmp_path):
+    box = ToolBox([meet], timeout_s=30.0, workers=4)
+    try:
+        reports = meetings(box, "meet", tmp_path, parties=4)
+    finally:
+        box.close()
+    # Each call waits until all four have arrived: one after another, none would have met.
+    assert all(r["met"] for r in reports)
+    assert max(r["started"] for r in reports) < min(r["ended"] for r in reports)
+    assert len({r["pid"] for r in reports}) == 4  # a plain call holds its process
+
+
+def test_async_tool_calls_run_at_once_in_one_process(tmp_path):
+    box = ToolBox([ameet], timeout_s=30.0, workers=4)
+    try:
+        reports = meetings(box, "ameet", tmp_path, parties=4)
+    finally:
+        box.close()
+    assert all(r["met"] for r in reports)
+    assert max(r["started"] for r in reports) < min(r["ended"] for r in reports)
+    assert len({r["pid"] for r in reports}) == 1 and reports[0]["pid"] != os.getpid()
+
+
+def test_a_hanging_call_does_not_hold_back_a_later_one():
+    box = ToolBox([nap], timeout_s=5.0, workers=2)
+
+    async def hang_then_quick():
+        hung = asyncio.create_task(box.run(ToolCall("nap", {"seconds": 600})))
+        await asyncio.sleep(0)  # the hanging call is submitted first
+        quick = asyncio.create_task(box.run(ToolCall("nap", {"seconds": 0})))
+        done, _ = await asyncio.wait({hung, quick}, return_when=asyncio.FIRST_COMPLETED)
+        return done, quick, await hung
+
+    try:
+        done, quick, hung = asyncio.run(hang_then_quick())
+    finally:
+        box.close()
+    assert done == {quick} and quick.result().content == "slept 0"  # back while the other still hung
+    assert hung.error and hung.content == "error: tool 'nap' timed out after 5s"
+    assert box.calls == 2 and box.errors == 1 and box.timeouts == 1
+
+
+def test_a_hanging_async_call_is_cancelled_and_the_others_in_its_process_finish(tmp_path):
+    box = ToolBox([anap], timeout_s=5.0, workers=4)
+    marker = tmp_path / "cancelled"
+
+    async def hang_among_quick():
+        hung = asyncio.create_task(box.run(ToolCall("anap", {"seconds": 600, "marker": str(marker)})))
+        quick = [asyncio.create_task(box.run(ToolCall("anap", {"seconds": 0.1, "marker": str(marker)})))
+                 for _ in range(3)]
+        finished = await asyncio.gather(*quick)
+        still_hung = not hung.done()
+        cut = await hung
+        # The next call waits for the worker to confirm the cancellation (the marker is written by then).
+        after = await box.run(ToolCall("anap", {"seconds": 0, "marker": str(marker)}))
+        return finished, still_hung, cut, after
+
+    try:
+        finished, still_hung, hung, after = asyncio.run(hang_among_quick())
+    finally:
+        box.close()
+    assert still_hung and [r.error for r in finished] == [False] * 3
+    assert hung.error and hung.content == "error: tool 'anap' timed out after 5s"
+    # One process throughout: the hanging coroutine was cancelled in it (it wrote the marker),
+    # not killed with its process, and the call after the cut-off ran there too.
+    pids = {r.content for r in finished} | {after.content}
+    assert len(pids) == 1 and marker.read_text() in pids
+    assert box.timeouts == 1 and box.errors == 1
 
 
 def test_tool_module_outside_the_working_directory(tmp_path, monkeypatch):
@@ -161,6 +233,27 @@ def test_tool_module_outside_the_working_directory(tmp_path, monkeypatch):
     finally:
         box.close()
         sys.modules.pop("far_tools", None)
+
+
+def test_a_tool_whose_module_broke_after_startup_is_unavailable(tmp_path, monkeypatch):
+    module = tmp_path / "breaking_tools.py"
+    module.write_text(
+        'import os\n\n\ndef die(code: int) -> str:\n    """Die.\n\n    Args:\n        code: exit code\n    """\n'
+        "    os._exit(code)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import breaking_tools
+
+    box = ToolBox([breaking_tools.die], timeout_s=5.0, workers=1)
+    try:
+        module.write_text('raise ImportError("the file was broken meanwhile")\n')
+        assert run(box, "die", code=3).content.startswith("error: worker died (exit code 3)")
+        gone = run(box, "die", code=3)  # a new worker cannot import the module any more
+        assert gone.error and gone.content == "error: tool 'die' is unavailable"
+        assert "the file was broken meanwhile" in box.last_error
+    finally:
+        box.close()
+        sys.modules.pop("breaking_tools", None)
 
 
 def test_template_supports_tools(tokenizer_dir: Path):

@@ -10,17 +10,14 @@ argument) comes back to it as an error message, never as an exception in the tra
 
 from __future__ import annotations
 
-import asyncio
 import json
-import queue
 import re
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
-from ..guarded import GuardedError, GuardedFunction, Outcome
+from ..guarded import GuardedError, GuardedPool
 from .api import ToolCall, ToolResult
 
 # An unterminated block at the very end is a reply cut by the token limit; it still counts.
@@ -154,56 +151,26 @@ def strip_tool_calls(text: str) -> str:
     return BLOCK_RE.sub("", text).strip()
 
 
-class _Workers:
-    """The worker processes of one tool: one now (so an import error shows at construction),
-    more on demand; at most the ToolBox's `workers`, since no more calls run at once."""
-
-    def __init__(self, spec: str, extra_paths: list[str], timeout_s: float) -> None:
-        self.spec, self.extra_paths, self.timeout_s = spec, extra_paths, timeout_s
-        self._all = [self._start()]
-        self._idle: queue.SimpleQueue[GuardedFunction] = queue.SimpleQueue()
-        self._idle.put(self._all[0])
-        self._lock = threading.Lock()
-
-    def _start(self) -> GuardedFunction:
-        return GuardedFunction(self.spec, self.timeout_s, self.extra_paths)
-
-    def call(self, arguments: Mapping[str, Any]) -> Outcome:
-        try:
-            fn = self._idle.get_nowait()
-        except queue.Empty:
-            fn = self._start()
-            with self._lock:
-                self._all.append(fn)
-        try:
-            return fn.call(arguments, strict=True)  # a wrong argument is the model's mistake
-        finally:
-            self._idle.put(fn)
-
-    def close(self) -> None:
-        with self._lock:
-            for fn in self._all:
-                fn.close()
-
-
 class ToolBox:
-    """An environment's tools, run in guarded workers; `run` turns every failure into text.
+    """An environment's tools, each in its own `GuardedPool`; `run` turns every failure into text.
 
-    `workers` is how many calls run at once (each in its own process); more wait their turn
-    in a thread, never on the event loop."""
+    `workers` is how many calls of one tool run at once: a plain tool in up to that many
+    processes (started on demand), an `async def` tool as that many coroutines in one process.
+    A call past `timeout_s` is cut off alone; the others go on."""
 
     def __init__(self, tools: list[Callable[..., Any]], timeout_s: float, workers: int = 2) -> None:
         self.schemas = tool_schemas(tools)
         self.timeout_s = timeout_s
-        self._workers: dict[str, _Workers] = {}
+        self._pools: dict[str, GuardedPool] = {}
         try:
             for schema, fn in zip(self.schemas, tools):
-                self._workers[schema["function"]["name"]] = _Workers(*import_path(fn), timeout_s)
+                spec, extra_paths = import_path(fn)
+                self._pools[schema["function"]["name"]] = GuardedPool(spec, timeout_s, workers, extra_paths)
         except GuardedError as exc:
             self.close()
             raise ToolError(f"tool {exc}") from None
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tools")
-        self._lock = threading.Lock()  # the counters are updated from the executor's threads
+        # `run` is awaited on one event loop in training, but tests drive it from several.
+        self._lock = threading.Lock()
         self.calls = 0
         self.errors = 0
         self.timeouts = 0
@@ -211,26 +178,24 @@ class ToolBox:
 
     @property
     def names(self) -> list[str]:
-        return list(self._workers)
+        return list(self._pools)
 
     async def run(self, call: ToolCall) -> ToolResult:
-        """Run one call off the event loop. Never raises."""
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, call)
-        except Exception as exc:  # e.g. run after close
-            return self._count(call, f"error: {type(exc).__name__}: {exc}")
-
-    def _run(self, call: ToolCall) -> ToolResult:
-        workers = self._workers.get(call.name)
-        if workers is None:
+        """Run one call in the tool's pool; the event loop only awaits it. Never raises."""
+        pool = self._pools.get(call.name)
+        if pool is None:
             return self._count(call, f"error: unknown tool {call.name!r}; available: {', '.join(self.names)}")
         try:
-            outcome = workers.call(call.arguments)
-        except GuardedError as exc:  # a new worker could not start (the module broke meanwhile)
-            return self._count(call, f"error: tool {call.name!r} is unavailable", detail=str(exc))
+            outcome = await pool.acall(call.arguments, strict=True)  # a wrong argument is the model's mistake
+        except Exception as exc:  # the pool answers every failure as an Outcome; this is a last guard
+            return self._count(call, f"error: {type(exc).__name__}: {exc}")
         if outcome.timed_out:
             return self._count(call, f"error: tool {call.name!r} timed out after {self.timeout_s:g}s",
                                timed_out=True)
+        if outcome.unavailable:
+            # The module broke after startup: a worker cannot start again. Its import error is
+            # for the person reading last_error, not for the model.
+            return self._count(call, f"error: tool {call.name!r} is unavailable", detail=outcome.message)
         if not outcome.ok:
             # The model gets the message; the location is for the person reading last_error.
             return self._count(call, f"error: {outcome.message}", detail=outcome.error)
@@ -248,8 +213,5 @@ class ToolBox:
         return ToolResult(call, content, error=failed)
 
     def close(self) -> None:
-        executor = getattr(self, "_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
-        for workers in self._workers.values():
-            workers.close()
+        for pool in self._pools.values():
+            pool.close()
