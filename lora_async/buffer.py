@@ -80,6 +80,8 @@ class Group:
     problem_index: int
     samples: list[TrainSample]
     episodes: EpisodeStats | None = None  # what its episodes came to (environments; None: single-turn)
+    # each reward function's value per sample (None: it did not score that one), for `reward/<name>`
+    reward_parts: dict[str, list[float | None]] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from .timing import IDLE_CAUSES
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -28,7 +31,13 @@ STEP_KEYS = (
     "tokens_generated", "tokens_trained", "policy_lag_mean", "policy_lag_max", "dropped_stale",
     "ratio_mean", "ratio_max", "clip_frac", "loss", "grad_norm", "sync_ms", "gen_idle_frac",
     "learner_idle_frac", "logprob_mismatch", "skipped_nonfinite", "reward_errors",
+    # where the step's time went (timing.py); `<kind>_wait_s_p50/_p95` only where calls happened
+    "step_s", "gen_compute_s", "gen_idle_s", "gen_idle_admission_s", "gen_idle_reward_s", "gen_idle_tool_s",
+    "gen_idle_env_s", "gen_idle_other_s", "learner_s", "learner_wait_s",
 )
+# Summary keys `where_the_time_went` shows (in a fleet, per-call ones are prefixed "<adapter>.").
+TIME_KEY = re.compile(r"(^|\.)(training_s|gen_compute_s|gen_idle(_[a-z]+)?_s|learner_(compute|wait|other)_s"
+                      r"|(reward|tool|env)_wait_(s_p50|s_p95|calls))$")
 
 
 def _clean(value: Any) -> Any:
@@ -67,10 +76,43 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def summary_table(summary: dict[str, Any]) -> Table:
+    """The summary's figures, one per row (those `where_the_time_went` shows are left to it)."""
     table = Table(title="lora-async run summary", show_header=False)
     for key, value in summary.items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        if not TIME_KEY.search(key):
+            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     return table
+
+
+def where_the_time_went(summary: dict[str, Any]) -> str | None:
+    """The summary's time split as a short block: seconds and share of the training time for the
+    generator (compute, idle by cause) and the learner (compute, waiting for data, the rest),
+    then each kind of call's p50/p95. None for a summary without it (training never began)."""
+    training = summary.get("training_s")
+    if not training:
+        return None
+
+    def line(label: str, seconds: float) -> str:
+        return f"  {label:<26}{seconds:>9.1f} s {100 * seconds / training:>5.1f}%"
+
+    lines = [f"where the time went ({training:.1f} s of training)",
+             line("generator compute", summary["gen_compute_s"]), line("generator idle", summary["gen_idle_s"])]
+    lines += [line(f"  {cause}", summary[f"gen_idle_{cause}_s"]) for cause in IDLE_CAUSES]
+    lines += [line("learner compute", summary["learner_compute_s"]),
+              line("learner waiting for data", summary["learner_wait_s"]),
+              line("learner other", summary["learner_other_s"])]
+    for key, calls in summary.items():
+        found = re.fullmatch(r"(.*?)(reward|tool|env)_wait_calls", key)
+        if found is not None:
+            who, kind = found.groups()
+            p50, p95 = summary[f"{who}{kind}_wait_s_p50"], summary[f"{who}{kind}_wait_s_p95"]
+            lines.append(f"  {who}{kind} calls: {calls}, wait p50 {duration(p50)}, p95 {duration(p95)}")
+    return "\n".join(lines)
+
+
+def duration(seconds: float) -> str:
+    """A call's duration as people read it: 12.5 ms, 3.2 s."""
+    return f"{1000 * seconds:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 # ---------------------------------------------------------------- the writer
@@ -131,8 +173,11 @@ class MetricsWriter:
         # the held-out figure is as old as its eval: say which step it is from
         accuracy = f"  accuracy {evaluated[0]:.2f} (step {evaluated[1]})" if evaluated is not None else ""
         _, _, limit = self._nearer_limit(row["step"], row["wall_s"])
+        parts = [f"{key.removeprefix('reward/')} {value:.2f}" for key, value in row.items()
+                 if key.startswith("reward/") and isinstance(value, (int, float))]
+        by_function = f" ({', '.join(parts)})" if len(parts) > 1 else ""  # several functions: each one's mean
         return (f"{who}step {row['step']} ({limit}) v{row.get('version')}  "
-                f"reward {row.get('reward_mean') or 0:.3f}" + accuracy
+                f"reward {row.get('reward_mean') or 0:.3f}{by_function}" + accuracy
                 + f"  {tps:.0f} tok/s  lag {row.get('policy_lag_mean') or 0:.1f}"
                 f"  sync {row.get('sync_ms') or 0:.1f} ms")
 

@@ -1,15 +1,19 @@
 """`lora-async plot`: runs side by side against wall-clock (reward, held-out accuracy, policy lag,
 sync time; for environments reward, held-out success, tool-call rate and turns), one labelled
-line per run (and per adapter in a fleet). Headless matplotlib."""
+line per run (and per adapter in a fleet). Below them, for each run whose step rows say where
+the time went, a stacked panel: the generator's compute and idle time by cause, as shares of
+each step's interval. Headless matplotlib."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 from .metrics import read_metrics
+from .timing import IDLE_CAUSES
 
 PANELS = (
     ("reward_mean", "reward (policy)"),
@@ -25,6 +29,12 @@ ENV_PANELS = (
     ("tool_call_rate", "episodes calling a tool (line: rollouts, dots: held-out)"),
     ("turns_mean", "turns per episode (line: rollouts, dots: held-out)"),
 )
+
+
+# The stacked time panel, bottom to top: compute, then idle by cause (the row's keys, a label).
+TIME_PARTS = (("gen_compute_s", "compute"), *((f"gen_idle_{c}_s", f"idle: {c}") for c in IDLE_CAUSES))
+TIME_COLOURS = ("#2a9d8f", "#e76f51", "#f4a261", "#e9c46a", "#8ab17d", "#b0b0b0")
+TIME_PANEL_HEIGHT = 2.6  # inches per row of time panels (two panels a row)
 
 
 class PlotError(ValueError):
@@ -65,6 +75,23 @@ def legend_styles(names: list[str], group_seeds: bool) -> dict[str, tuple[str | 
     return styles
 
 
+def time_shares(rows: list[dict[str, Any]]) -> tuple[list[float], dict[str, list[float]]]:
+    """A series' step rows that say where the time went: their wall-clock, and each part's share
+    of its step's interval (per step, the shares sum to 1). Empty for older runs."""
+    split = sorted((r for r in rows if "kind" not in r and r.get("step_s") and r.get("gen_compute_s") is not None),
+                   key=lambda r: r["wall_s"])
+    return ([r["wall_s"] for r in split],
+            {key: [(r.get(key) or 0.0) / r["step_s"] for r in split] for key, _ in TIME_PARTS})
+
+
+def draw_time_panel(ax: Any, name: str, xs: list[float], shares: dict[str, list[float]]) -> None:
+    """One series' stacked panel; each step's shares fill the interval before its row (step="pre")."""
+    ax.stackplot(xs, *shares.values(), labels=[label for _, label in TIME_PARTS], colors=TIME_COLOURS, step="pre")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"generator time: {name} (share of each step)")
+    ax.grid(alpha=0.3)
+
+
 def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, group_seeds: bool = False) -> Path:
     """One line per run; with `group_seeds`, runs named NAME-sK share NAME's colour and legend entry."""
     os.environ.setdefault("MPLBACKEND", "Agg")
@@ -80,8 +107,15 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, group_s
     palette = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = legend_styles(list(series), group_seeds)
     episodic = any("episodes" in r for rows in series.values() for r in rows if "kind" not in r)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    for ax, (key, label) in zip(axes.flat, ENV_PANELS if episodic else PANELS):
+    timed = {name: split for name, rows in series.items() if (split := time_shares(rows))[0]}
+    time_rows = math.ceil(len(timed) / 2)
+    fig = plt.figure(figsize=(11, 7 + TIME_PANEL_HEIGHT * time_rows))
+    grid = fig.add_gridspec(2 + time_rows, 2)
+    first = fig.add_subplot(grid[0, 0])
+    axes = [[first, fig.add_subplot(grid[0, 1], sharex=first)],
+            [fig.add_subplot(grid[1, 0], sharex=first), fig.add_subplot(grid[1, 1], sharex=first)]]
+    flat = [ax for row in axes for ax in row]
+    for ax, (key, label) in zip(flat, ENV_PANELS if episodic else PANELS):
         for name, rows in series.items():
             steps = [(r["wall_s"], r[key]) for r in rows if "kind" not in r and r.get(key) is not None]
             evals = [(r["wall_s"], r[key]) for r in rows if r.get("kind") == "eval" and r.get(key) is not None]
@@ -96,14 +130,27 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, group_s
                         label=None if steps else legend)
         ax.set_title(label)
         ax.grid(alpha=0.3)
+    for i, (name, (clock, parts)) in enumerate(timed.items()):
+        where = grid[2 + i // 2, :] if len(timed) == 1 else grid[2 + i // 2, i % 2]
+        ax = fig.add_subplot(where, sharex=first)
+        draw_time_panel(ax, name, clock, parts)
+        ax.set_xlabel("wall-clock (s)")
     for ax in axes[1]:
         ax.set_xlabel("wall-clock (s)")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
+    handles, labels = flat[0].get_legend_handles_labels()
     if not handles:
-        handles, labels = axes.flat[1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), frameon=False)
+        handles, labels = flat[1].get_legend_handles_labels()
+    columns = min(len(labels), 4)
+    fig.legend(handles, labels, loc="lower center", ncol=columns, frameon=False)
+    band = 0.42 * max(1, math.ceil(len(labels) / max(columns, 1)))  # inches at the bottom for the legends
+    if timed:  # the causes' legend, above the runs' (the same colours in every time panel)
+        causes, names = fig.axes[-1].get_legend_handles_labels()
+        fig.legend(causes, names, loc="lower center", ncol=len(names), frameon=False, fontsize="small",
+                   bbox_to_anchor=(0.5, band / fig.get_figheight()))
+        band += 0.38
     fig.suptitle(title or "lora-async runs")
-    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    height = fig.get_figheight()
+    fig.tight_layout(rect=(0, band / height, 1, 1 - 0.28 / height))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp.png")

@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from .buffer import Group
 from .generator.types import GenRequest, GenResult, GenStatus
 from .outcomes import EpisodeStats
+from .timing import NO_WAITS, Waits
 
 Generate = Callable[[GenRequest], Awaitable[GenResult]]
 EVAL_EXAMPLES = 3  # examples an evaluation keeps for display
@@ -32,21 +33,40 @@ class RewardStats:
     first_error: str | None = None
     last_error: str | None = None
 
+    # per reward function: [completions scored, of which failed, its first error]
+    functions: dict[str, list] = field(default_factory=dict)
+
     def record_error(self, message: str) -> None:
         self.errors += 1
         self.last_error = message
         if self.first_error is None:
             self.first_error = message
 
+    def count_function(self, name: str, scored: int, errors: list[str]) -> None:
+        counts = self.functions.setdefault(name, [0, 0, None])
+        counts[0] += scored
+        counts[1] += len(errors)
+        if errors and counts[2] is None:
+            counts[2] = errors[0]
+
+    def never_worked(self) -> str | None:
+        """Why no call has worked yet (every one failed, overall or of one function), or None."""
+        if self.calls and self.errors >= self.calls:
+            return str(self.first_error)
+        return next((str(first) for scored, failed, first in self.functions.values() if scored and failed >= scored),
+                    None)
+
 
 @dataclass(frozen=True)
 class RolloutContext:
-    """What a source is given per training group: the run's generator and tokenizer, and the
-    tag its requests carry (what a learner step's `abort_older` stops)."""
+    """What a source is given per training group: the run's generator and tokenizer, the tag
+    its requests carry (what a learner step's `abort_older` stops), and where its reward, tool
+    and environment waits are recorded (`timing.Waits`; the default records nothing)."""
 
     generate: Generate
     tokenizer: Any
     tag: object = None
+    waits: Waits = NO_WAITS
 
 
 @dataclass

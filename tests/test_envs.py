@@ -8,18 +8,25 @@ import asyncio
 import json
 import random
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
 
 from lora_async.config import TrainConfig
+from lora_async.envs.api import StepResult, ToolResult
+from lora_async.envs.episode import Episode, EpisodeSettings
+from lora_async.envs.render import ChatRenderer
 from lora_async.envs.source import EnvLoadError
 from lora_async.metrics import read_metrics
 from lora_async.orchestrator import train
+from lora_async.rollout import RolloutContext
 from lora_async.tasks import make_source
+from lora_async.timing import Wait, Waits
 
-from .fakes import ByteTokenizer, FakeParts
+from .fakes import ByteTokenizer, FakeGenerator, FakeParts
 
 ENVS = '''
 import time
@@ -306,7 +313,7 @@ def test_a_user_episode_reward_is_called_by_keyword(tmp_path, env_module, capsys
         done = s.finish_reason == "done"
         assert s.reward == pytest.approx(1.0 / segments(s) if done else 0.0)
     line = next(line for line in capsys.readouterr().err.splitlines() if "reward fake_envs:by_turns" in line)
-    assert "by_turns gets prompt, completion, answer, messages, turns, tool_calls, env_reward" in line
+    assert "by_turns (16 at once) gets prompt, completion, answer, messages, turns, tool_calls, env_reward" in line
 
 
 def test_the_cli_exits_2_on_an_unusable_environment(tmp_path, env_module):
@@ -329,3 +336,158 @@ def test_plain_renderer_deltas_do_not_retokenise_the_context(env_module):
     assert bytes(opening).decode() == "user: hi\nassistant: "
     delta = r.delta([{"role": "user", "content": "again"}], list(b"yabc"))
     assert bytes(delta).decode() == "\nuser: again\nassistant: "
+
+
+# ------------------------------------------------------------------ waits: concurrent and timed
+
+SLOW_ENVS = '''
+import asyncio
+import time
+
+from lora_async.envs import Env, StepResult, user
+
+CALLS = []  # (method, start, end) of every reset and step
+
+
+class Slow(Env):
+    """Each call takes 0.3 s (a simulator, a user)."""
+
+    def __init__(self, index, split):
+        pass
+
+    def reset(self):
+        start = time.monotonic()
+        time.sleep(0.3)
+        CALLS.append(("reset", start, time.monotonic()))
+        return [user("go")]
+
+    def step(self, reply):
+        start = time.monotonic()
+        time.sleep(0.3)
+        CALLS.append(("step", start, time.monotonic()))
+        return StepResult(reward=float(reply.content.startswith("x")), done=True)
+
+
+class SlowAsync(Slow):
+    async def reset(self):
+        start = time.monotonic()
+        await asyncio.sleep(0.3)
+        CALLS.append(("reset", start, time.monotonic()))
+        return [user("go")]
+
+    async def step(self, reply):
+        start = time.monotonic()
+        await asyncio.sleep(0.3)
+        CALLS.append(("step", start, time.monotonic()))
+        return StepResult(reward=float(reply.content.startswith("x")), done=True)
+
+
+def plain(index, split):
+    return Slow(index, split)
+
+
+def coroutines(index, split):
+    return SlowAsync(index, split)
+'''
+
+
+@pytest.fixture
+def slow_envs(tmp_path, monkeypatch):
+    (tmp_path / "slow_envs.py").write_text(SLOW_ENVS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "slow_envs"
+    sys.modules.pop("slow_envs", None)
+
+
+def fake_generate(reply) -> tuple[Any, FakeGenerator]:
+    from lora_async.generator.types import generate_async
+
+    generator = FakeGenerator(lambda: 0.01, [], reply=reply)
+    generator.live["main"] = [0]
+    return generate_async(generator), generator
+
+
+def overlap(spans: list[tuple[float, float]]) -> bool:
+    """All of them were running at one moment: the last to start began before the first to end ended."""
+    return max(start for start, _ in spans) < min(end for _, end in spans)
+
+
+@pytest.mark.parametrize("factory", ["slow_envs:plain", "slow_envs:coroutines"])
+def test_the_environment_calls_of_a_group_run_at_once_and_are_timed(tmp_path, slow_envs, factory):
+    cfg = config(tmp_path, env=factory, task={"max_turns": 1, "env_timeout_s": 30.0})
+    source = make_source(cfg.adapter_specs[0], cfg, 0)
+    generate, _ = fake_generate(x_or_y)
+    waits = Waits()
+    try:
+        asyncio.run(source.rollout(0, RolloutContext(generate, ByteTokenizer(), "rollout", waits)))
+    finally:
+        source.close()
+    calls = sys.modules["slow_envs"].CALLS
+    for method in ("reset", "step"):
+        spans = [(start, end) for what, start, end in calls if what == method]
+        assert len(spans) == 4 and overlap(spans), spans  # the group's 4 episodes, side by side
+    recorded = waits.take()[Wait.ENV]
+    assert len(recorded) == 8  # one wait per reset and step
+    assert min(recorded) >= min(end - start for _, start, end in calls)  # each wait covers its call
+
+
+class SlowTools:
+    """A toolbox whose calls take `seconds`; it records when each ran."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+
+    async def run(self, call):
+        start = time.monotonic()
+        await asyncio.sleep(call.arguments["seconds"])
+        self.spans.append((start, time.monotonic()))
+        return ToolResult(call, f"{call.name} {call.arguments['n']}")
+
+
+class Replies:
+    """An environment that keeps the replies it was given and ends after one."""
+
+    def __init__(self) -> None:
+        self.replies = []
+
+    def reset(self):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, reply):
+        self.replies.append(reply)
+        return StepResult(done=True)
+
+
+def test_the_tool_calls_of_one_reply_run_at_once_and_keep_their_order():
+    # the first call takes longest: its result still comes first
+    text = "".join(f'<tool_call>{{"name": "nap", "arguments": {{"seconds": {s}, "n": {n}}}}}</tool_call>'
+                   for n, s in enumerate((0.3, 0.2, 0.1)))
+    generate, _ = fake_generate(lambda request, rng: text)
+    env, tools, waits = Replies(), SlowTools(), Waits()
+    settings = EpisodeSettings(max_turns=1, max_tokens=len(text) + 1, max_model_len=4096, temperature=1.0, top_p=1.0,
+                               env_timeout_s=30.0, partial=False)
+    episode = Episode(env, ChatRenderer(ByteTokenizer(), [], None), tools, settings, generate, "main", "rollout",
+                      waits=waits)
+    trajectory = asyncio.run(episode.play())
+    assert trajectory.tool_calls == 3 and trajectory.outcome.value == "done"
+    (reply,) = env.replies
+    assert [r.content for r in reply.tool_results] == ["nap 0", "nap 1", "nap 2"]
+    assert len(tools.spans) == 3 and overlap(tools.spans), tools.spans
+    recorded = waits.take()
+    assert len(recorded[Wait.TOOL]) == 3 and len(recorded[Wait.ENV]) == 2  # the tools; reset and step
+
+
+def test_a_step_row_reports_its_tool_and_environment_waits(tmp_path, env_module):
+    cfg = config(tmp_path, sampling={"max_new_tokens": 96}, generator={"max_model_len": 2048})
+    parts = FakeParts(["main"], gen_delay=lambda: 0.02, step_s=0.05, reply=tool_then_answer)
+    summary = run(cfg, parts)
+    rows = steps(cfg)
+    for kind in ("tool", "env"):
+        timed = [r for r in rows if f"{kind}_wait_s_p50" in r]
+        assert timed, f"no step row has {kind} waits"
+        assert all(0 <= r[f"{kind}_wait_s_p50"] <= r[f"{kind}_wait_s_p95"] for r in timed)
+        assert summary[f"{kind}_wait_calls"] > 0
+        assert 0 <= summary[f"{kind}_wait_s_p50"] <= summary[f"{kind}_wait_s_p95"]
+    # every step of an environment run has reset and step calls, none of them eval's
+    assert all("env_wait_s_p50" in r for r in rows)

@@ -187,6 +187,10 @@ def test_sigterm_stops_after_the_step_in_order(tmp_path):
 REWARDS = '''
 def broken(prompt, completion, answer):
     return undefined_helper(completion)  # a bad name inside the reward
+def half(completion):
+    return 0.5
+def skip_all(completions, **kwargs):  # batched, and scores nothing
+    return [None] * len(completions)
 '''
 
 
@@ -201,6 +205,36 @@ def test_a_reward_that_always_fails_stops_the_run_with_its_error(tmp_path, monke
     err = capsys.readouterr().err
     shown = [line for line in err.splitlines() if "the reward failed" in line]
     assert len(shown) == 1 and "NameError" in shown[0] and "undefined_helper" in shown[0]
+
+
+def test_a_function_that_always_fails_beside_one_that_works_stops_the_run(tmp_path, monkeypatch):
+    (tmp_path / "broken_rewards.py").write_text(REWARDS)
+    monkeypatch.chdir(tmp_path)
+    cfg = config(tmp_path, task={"reward": ["regex:^x", "broken_rewards:broken"]}, run={"max_steps": 20})
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.05)
+    with pytest.raises(TrainingError, match="every reward call of the first step failed.*broken_rewards:broken.*NameError"):
+        run(cfg, parts)
+    assert parts.fake_learner.trained == []
+
+
+def test_several_rewards_combine_by_weight_and_each_has_its_metric(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_rewards.py").write_text(REWARDS)
+    monkeypatch.chdir(tmp_path)
+    cfg = config(tmp_path, task={"reward": ["regex:^x", "broken_rewards:half", "broken_rewards:skip_all"],
+                                 "reward_weights": [1.0, 2.0, 3.0]},
+                 learner={"skip_flat_groups": False}, run={"max_steps": 3, "log_interval_s": 0})
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.05)
+    summary = run(cfg, parts)
+    rows = steps(cfg)
+    assert summary["reward_errors"] == 0 and len(rows) == 3
+    for row in rows:
+        assert row["reward/half"] == 0.5 and "reward/regex" in row
+        assert "reward/skip_all" not in row  # it scored nothing: no mean, and nothing added to the sum
+        assert row["reward_mean"] == pytest.approx(row["reward/regex"] + 2 * 0.5)
+        # the user functions' calls are timed: one per sample (half), one per group (skip_all)
+        assert 0 <= row["reward_wait_s_p50"] <= row["reward_wait_s_p95"]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert lines and all("half 0.50" in line and "(regex " in line for line in lines)
 
 
 def test_without_flat_group_filtering_steps_take_groups_as_they_come(tmp_path):
@@ -283,3 +317,36 @@ def test_a_fleet_shares_generation_by_weight(tmp_path):
     # each adapter's step lines count its own tokens, within its own total
     for name in ("heavy", "light"):
         assert 0 < sum(r["tokens_generated"] for r in rows if r["adapter"] == name) <= tokens[name]
+
+
+SPLIT_KEYS = ("step_s", "gen_compute_s", "gen_idle_s", "gen_idle_admission_s", "gen_idle_reward_s", "gen_idle_tool_s",
+              "gen_idle_env_s", "gen_idle_other_s", "learner_s", "learner_wait_s")
+IDLE_PARTS = ("gen_idle_admission_s", "gen_idle_reward_s", "gen_idle_tool_s", "gen_idle_env_s", "gen_idle_other_s")
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_every_step_and_the_summary_say_where_the_time_went(tmp_path, staleness):
+    """Structure and consistency, not speed: each step's generator compute and idle time make its
+    interval, the idle causes make the idle time; the run's totals likewise, and the learner's
+    compute, wait and rest make the training time."""
+    cfg = config(tmp_path, buffer={"max_staleness": staleness})
+    summary = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.02, step_s=0.15))
+    rows = steps(cfg)
+    assert len(rows) == 8
+    for r in rows:
+        assert set(SPLIT_KEYS) <= set(r), set(SPLIT_KEYS) - set(r)
+        assert all(r[key] >= 0 for key in SPLIT_KEYS)
+        assert r["gen_compute_s"] + r["gen_idle_s"] == pytest.approx(r["step_s"], abs=1e-3)
+        assert sum(r[key] for key in IDLE_PARTS) == pytest.approx(r["gen_idle_s"], abs=1e-3)
+    assert summary["gen_compute_s"] + summary["gen_idle_s"] == pytest.approx(summary["training_s"], abs=1e-3)
+    assert sum(summary[key] for key in IDLE_PARTS) == pytest.approx(summary["gen_idle_s"], abs=1e-3)
+    learner = summary["learner_compute_s"] + summary["learner_wait_s"] + summary["learner_other_s"]
+    assert learner == pytest.approx(summary["training_s"], abs=1e-3)
+    assert summary["learner_compute_s"] == pytest.approx(8 * 0.15)  # the fake learner's steps
+    assert summary["learner_wait_s"] == pytest.approx(sum(r["learner_wait_s"] for r in rows), abs=1e-3)
+    if staleness == 0:
+        # synchronous: while the learner trains, producers are held back by admission and
+        # nothing generates, so the generator's idle time has that cause
+        assert summary["gen_idle_admission_s"] > 0
+    written = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
+    assert written["training_s"] == summary["training_s"]

@@ -18,6 +18,7 @@ TRL's default unless `--trl-arg KEY=VALUE` overrides it. Writes into DIR:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -139,12 +140,15 @@ def make_reward(task: Any, tally: BatchTally, first_batch: Path) -> Callable[...
     """lora-async's reward (`task.rewards`) as a TRL reward function; it also tallies the batch."""
     from lora_async.tasks import Problem
 
+    def score(text: str, want: str) -> float:
+        return asyncio.run(task.rewards.score(Problem(-1, "", want).batch([text]))).rewards[0]
+
     # TRL names the reward in its logs after the function: `arithmetic`, as before the split.
     def arithmetic(prompts: list, completions: list, completion_ids: list, answer: list, **_: Any) -> list[float]:
         out = []
         for completion, want in zip(completions, answer):
             text = completion[-1]["content"] if isinstance(completion, list) else completion
-            out.append(task.rewards(Problem(-1, "", want), [text])[0])
+            out.append(score(text, want))
             if len(tally.examples) < KEPT_EXAMPLES:
                 tally.examples.append((text, want))
         tally.rewards.extend(out)

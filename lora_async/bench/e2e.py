@@ -6,6 +6,10 @@ environment task also async without partial rollouts (a turn made too stale is a
 group dropped). Placement is `auto` for all: async splits the cores between generator and
 learner, sync gives both all cores (they take turns). Held-out accuracy (success rate) is
 evaluated every `eval_every` steps; `target` is the one timed.
+
+Each mode's report says where its time went (`proc.time_split`: the generator's compute and
+idle shares by cause, the learner's compute and wait for data); `split_table` sets them side by
+side (also written to `OUT/time_split.md`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrainConfig
-from .proc import last_error, run_logged, summarize_run
+from .proc import SPLIT_SHARES, last_error, run_logged, summarize_run
 
 
 def bench_modes(config: TrainConfig) -> list[tuple[str, int, bool]]:
@@ -67,4 +71,17 @@ def run_e2e_bench(config: TrainConfig, budget: float, out: Path, eval_every: int
         if sync["trained_tokens_per_s"]:
             report[f"{mode}_over_sync_trained_tokens_per_s"] = a["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
     (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "time_split.md").write_text(split_table(report) + "\n")
     return report
+
+
+def split_table(report: dict[str, Any]) -> str:
+    """Where each mode's time went, one column per mode (shares of its training time, in %)."""
+    modes = [mode for mode, figures in report.items() if isinstance(figures, dict) and "gen_compute_share" in figures]
+    lines = ["| time share | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    for key in SPLIT_SHARES:
+        label = (key.removesuffix("_share").replace("gen_idle_", "idle: ").replace("gen_", "generator ")
+                 .replace("_", " "))
+        cells = [report[mode][key] for mode in modes]
+        lines.append(f"| {label} | " + " | ".join("-" if c is None else f"{100 * c:.1f}%" for c in cells) + " |")
+    return "\n".join(lines)

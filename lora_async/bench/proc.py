@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import psutil
 
 from ..metrics import read_metrics
+from ..timing import IDLE_CAUSES
 
 # The accuracy whose first crossing the summaries time: the key `time_to_acc_0.5_s` names it.
 TARGET_ACCURACY = 0.5
@@ -234,7 +235,34 @@ def summarize_run(run_dir: Path, budget: float, target: float = TARGET_ACCURACY)
         "zero_adv_groups": steps[-1].get("zero_adv_groups") if steps else None,
         **_engine_figures(steps, wall),
         **_time_breakdown(rows, steps),
+        **time_split(steps),
     }
+
+
+# The shares `time_split` reports: the generator's compute, its idle time and each cause of it,
+# and the learner's compute and wait for data.
+SPLIT_SHARES = ("gen_compute_share", "gen_idle_share", *(f"gen_idle_{c}_share" for c in IDLE_CAUSES),
+                "learner_compute_share", "learner_wait_share")
+
+
+def time_split(steps: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Where a run's time went, as shares (None for a run whose rows lack the split: an older run,
+    TRL's). The generator's parts are shares of the summed step intervals (each adapter's steps
+    tile its time, so in a fleet too); the learner's are shares of the span from training's start
+    (the first row's interval began there) to the last step."""
+    split = [r for r in steps if r.get("step_s") is not None and r.get("gen_compute_s") is not None]
+    if not split or len(split) != len(steps):
+        return dict.fromkeys(SPLIT_SHARES)
+    interval = sum(r["step_s"] for r in split)
+    span = split[-1]["wall_s"] - split[0]["wall_s"] + split[0]["step_s"]
+    if interval <= 0 or span <= 0:
+        return dict.fromkeys(SPLIT_SHARES)
+    gen_keys = ("gen_compute_s", "gen_idle_s", *(f"gen_idle_{c}_s" for c in IDLE_CAUSES))
+    shares: dict[str, float | None] = {f"{key[:-2]}_share": sum(r[key] for r in split) / interval
+                                       for key in gen_keys}  # gen_..._s -> gen_..._share
+    shares["learner_compute_share"] = sum(r.get("learner_s") or 0.0 for r in split) / span
+    shares["learner_wait_share"] = sum(r.get("learner_wait_s") or 0.0 for r in split) / span
+    return shares
 
 
 def _time_breakdown(rows: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, float | None]:

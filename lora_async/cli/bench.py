@@ -95,10 +95,34 @@ def bench_e2e(
     """Async (max_staleness >= 1) vs sync (max_staleness = 0) on the same config and budget;
     on an environment also async without partial rollouts."""
     cfg = load_or_exit(config, set_)
-    from ..bench.e2e import run_e2e_bench
+    from ..bench.e2e import run_e2e_bench, split_table
 
     report = run_e2e_bench(cfg, budget, out, eval_every, config, target)
     print(json.dumps(report, indent=None if as_json else 2))
+    typer.echo(f"where the time went (also in {out / 'time_split.md'}):\n{split_table(report)}", err=True)
+
+
+@bench_app.command("rewards")
+def bench_rewards(
+    groups: int = typer.Option(48, "--groups", min=1, help="Groups scored in all."),
+    n: int = typer.Option(8, "--n", min=1, help="Completions per group."),
+    in_flight: int = typer.Option(8, "--in-flight", min=1, help="Groups scored at a time (producers)."),
+    median_s: float = typer.Option(0.4, "--median-s", min=0.0, help="Median seconds of one reward call."),
+    sigma: float = typer.Option(1.0, "--sigma", min=0.0, help="Lognormal sigma of the call time."),
+    reps: int = typer.Option(3, "--reps", min=1, help="Repetitions (sides alternate; medians reported)."),
+    baseline: Path = typer.Option(None, "--baseline", help="A checkout of an older commit to score beside this "
+                                                           "code (e.g. a git worktree)."),
+    baseline_reps: int = typer.Option(1, "--baseline-reps", min=1, help="Repetitions of the (slow) baseline."),
+) -> None:
+    """Samples scored per second by a slow reward (lognormal sleep), and each group's reward wait
+    against its slowest call; beside a baseline checkout with --baseline."""
+    from ..bench.rewards import run_rewards_bench
+
+    if baseline is not None and not (baseline / "lora_async").is_dir():
+        fail(f"--baseline {baseline}: no lora_async package there")
+    report = run_rewards_bench(groups, n, in_flight, median_s, sigma, reps, baseline.resolve() if baseline else None,
+                               baseline_reps)
+    print(json.dumps(report, indent=2))
 
 
 @bench_app.command("fleet")

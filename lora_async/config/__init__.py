@@ -23,7 +23,7 @@ from .sections import (
     ADAPTER_NAME_RE, CPU_LIST_RE, AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, LossConfig, ModelConfig,
     RunConfig, SamplingConfig, Section,
 )
-from .tasks import ArithmeticTask, EnvTask, FleetAdapter, JsonlTask, TaskConfig
+from .tasks import AUTO_WORKERS_CAP, ArithmeticTask, EnvTask, FleetAdapter, JsonlTask, TaskConfig, auto_workers
 from .train import VLLM_LORA_RANKS, AdapterSpec, TrainConfig, vllm_rank
 
 __all__ = [
@@ -34,5 +34,5 @@ __all__ = [
     "RayConfig", "RayGeneratorConfig", "RaySync", "ServerGeneratorConfig", "ShmSync", "SyncBase", "SyncConfig", "TaskConfig", "TrainConfig",
     "VllmGeneratorConfig",
     "apply_overrides", "check_migrations", "dump_config", "format_validation_error", "load_config",
-    "parse_override", "vllm_rank",
+    "parse_override", "vllm_rank", "AUTO_WORKERS_CAP", "auto_workers",
 ]

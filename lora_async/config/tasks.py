@@ -5,13 +5,20 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_serializer, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_serializer, field_validator, model_validator
 from pydantic_core.core_schema import SerializationInfo
 
 from .sections import AdapterConfig, LoraConfig, SamplingConfig, Section
 
 
 SPEC_RE = r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"  # module.path:object (the object may be dotted)
+AUTO_WORKERS_CAP = 64  # the default pool of a reward or tool: the calls in flight, up to this many
+
+
+def auto_workers(configured: int | None, in_flight: int) -> int:
+    """Calls at once of a reward function or a tool: as configured, else one per completion or
+    episode in flight (processes start on demand, so this is a cap, not a cost)."""
+    return configured if configured is not None else max(1, min(AUTO_WORKERS_CAP, in_flight))
 
 
 class ArithmeticTask(Section):
@@ -23,48 +30,94 @@ class ArithmeticTask(Section):
     system_prompt: str | None = Field(None, description="System message (None = the model's default).")
 
 
-class JsonlTask(Section):
+def check_reward_spec(value: str) -> str:
+    """One reward: 'exact', 'numeric', 'regex:<pattern>' or 'module:function'."""
+    if value in ("exact", "numeric"):
+        return value
+    if value.startswith("regex:"):
+        try:
+            re.compile(value[len("regex:"):])
+        except re.error as exc:
+            raise ValueError(f"bad regex: {exc}") from exc
+        return value
+    if re.fullmatch(SPEC_RE, value):
+        return value
+    raise ValueError(f"{value!r} must be 'exact', 'numeric', 'regex:<pattern>' or 'module:function'")
+
+
+def check_user_spec(value: str) -> str:
+    if not re.fullmatch(SPEC_RE, value):
+        raise ValueError(f"{value!r} must be 'module:function'")
+    return value
+
+
+RewardSpec = Annotated[str, AfterValidator(check_reward_spec)]
+UserSpec = Annotated[str, AfterValidator(check_user_spec)]
+
+
+class RewardFields(Section):
+    """What every task with user rewards shares: one or several functions, their weights, how
+    many calls run at once, and the per-call limit."""
+
+    reward_weights: list[float] | None = Field(
+        None, description="One weight per reward function; the sample's reward is the weighted sum "
+                          "(None = all 1.0).")
+    reward_timeout_s: float = Field(5.0, gt=0, le=3600, description="Per-call limit for user rewards.")
+    reward_workers: int | None = Field(
+        None, ge=1, le=1024, description="Reward calls at once per function: worker processes of a plain "
+                                         "function, concurrent calls of an async one (None = the completions "
+                                         f"in flight, at most {AUTO_WORKERS_CAP}).")
+
+    def reward_list(self) -> list[str]:
+        reward: Any = getattr(self, "reward", None)
+        if reward is None:
+            return []
+        return [reward] if isinstance(reward, str) else list(reward)
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> "RewardFields":
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_list()):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for "
+                             f"{len(self.reward_list())} reward functions; give one weight per function")
+        return self
+
+
+class JsonlTask(RewardFields):
     type: Literal["jsonl"] = Field("jsonl", description="'jsonl': prompts and answers from a JSONL file.")
     path: str = Field(..., description="JSONL file with one record per line (relative to the config file).")
-    prompt_field: str = Field("prompt", description="Record field holding the prompt text.")
+    prompt_field: str = Field("prompt", description="Record field holding the prompt: text, or a list of chat "
+                                                    "messages ({'role', 'content'}).")
     answer_field: str = Field("answer", description="Record field holding the reference answer.")
-    reward: str = Field(
-        "exact", description="'exact', 'numeric', 'regex:<pattern>' or a user 'module:function'."
-    )
-    reward_timeout_s: float = Field(5.0, gt=0, le=3600, description="Per-call limit for user rewards.")
+    reward: Union[RewardSpec, list[RewardSpec]] = Field(
+        "exact", description="'exact', 'numeric', 'regex:<pattern>' or a user 'module:function', or a list of "
+                             "them (combined by reward_weights).")
     heldout: int = Field(0, ge=0, description="Records at the end of the file held out for eval.")
     system_prompt: str | None = Field(None, description="System message (None = the model's default).")
 
     @field_validator("reward")
     @classmethod
-    def _reward(cls, value: str) -> str:
-        if value in ("exact", "numeric"):
-            return value
-        if value.startswith("regex:"):
-            try:
-                re.compile(value[len("regex:"):])
-            except re.error as exc:
-                raise ValueError(f"bad regex: {exc}") from exc
-            return value
-        if re.fullmatch(SPEC_RE, value):
-            return value
-        raise ValueError("must be 'exact', 'numeric', 'regex:<pattern>' or 'module:function'")
+    def _not_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("give at least one reward function")
+        return value
 
 
-class EnvTask(Section):
+class EnvTask(RewardFields):
     type: Literal["env"] = Field("env", description="'env': multi-turn episodes of a user or builtin environment.")
     env: str = Field(..., pattern=SPEC_RE,
                      description="'module:factory' called as factory(index, split) -> environment.")
     max_turns: int = Field(8, ge=1, le=1000, description="Model replies per episode at most (then it ends, reward 0).")
     heldout: int = Field(64, ge=0, le=100_000, description="Held-out episodes for evaluation (split 'eval').")
-    reward: str | None = Field(None, pattern=SPEC_RE,
-                               description="Optional 'module:function' scoring a finished episode by keywords "
-                                           "(instead of the environment's reward).")
-    reward_timeout_s: float = Field(5.0, gt=0, le=3600, description="Per-call limit for the user reward.")
+    reward: Union[UserSpec, list[UserSpec], None] = Field(
+        None, description="Optional 'module:function' (or a list, combined by reward_weights) scoring a finished "
+                          "episode by keywords (instead of the environment's reward).")
     tool_timeout_s: float = Field(10.0, gt=0, le=3600, description="A tool call running longer is cut off.")
     env_timeout_s: float = Field(30.0, gt=0, le=3600, description="An environment reset or step running longer "
                                                                    "ends its episode.")
-    tool_workers: int = Field(2, ge=1, le=64, description="Guarded processes running tool calls.")
+    tool_workers: int | None = Field(
+        None, ge=1, le=1024, description="Calls at once per tool: worker processes of a plain tool, concurrent "
+                                         f"calls of an async one (None = the episodes in flight, at most "
+                                         f"{AUTO_WORKERS_CAP}).")
     system_prompt: str | None = Field(None, description="System message (None = the model's default; a system "
                                                         "message from the environment wins).")
 

@@ -12,6 +12,10 @@ version (the context so far is prefilled again: `tokens_reprefilled`).
 Faults end the episode, never the run: an environment that raises or hangs (`env_error`), a
 context that would overflow `generator.max_model_len` (`truncated`). Tool faults go back to the
 model as tool results.
+
+Waits are concurrent and timed: the tool calls of one reply run at once (their results in call
+order), the episodes of a group call their environments at once (`source.py`), and every
+`reset`/`step` and tool call is recorded in the rollout's `timing.Waits`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..generator.types import GenRequest, GenResult, GenStatus
 from ..outcomes import Outcome
 from ..rollout import Generate
-from .api import Message, Reply, StepResult, ToolResult
+from ..timing import NO_WAITS, Wait, Waits
+from .api import Message, Reply, StepResult, ToolCall, ToolResult
 from .render import ChatRenderer
 from .tools import ToolBox, parse_tool_calls, strip_tool_calls
 
@@ -170,18 +175,20 @@ class Episode:
 
     def __init__(self, env: Any, renderer: ChatRenderer, toolbox: ToolBox | None, settings: EpisodeSettings,
                  generate: Generate, adapter: str | None,
-                 tag: object, group: object = None) -> None:
+                 tag: object, group: object = None, waits: Waits = NO_WAITS) -> None:
         """`tag` goes on every request (the orchestrator's rollout tag: what `abort_older` stops);
         so does `group`, shared by the episodes of one group (a generator with replicas keeps
-        them, turn after turn, on one replica)."""
+        them, turn after turn, on one replica). Environment and tool calls are timed in `waits`."""
         self.env, self.renderer, self.toolbox, self.settings = env, renderer, toolbox, settings
         self.generate, self.adapter, self.tag, self.group = generate, adapter, tag, group
+        self.waits = waits
         self.tokenizer = renderer.tokenizer
 
     async def play(self) -> Trajectory:
         """The whole episode. Raises EpisodeError if the environment fails before it opens and
         EpisodeAborted if generation cannot go on; anything later ends it with `outcome`."""
-        opening = await guarded(self.env.reset, timeout_s=self.settings.env_timeout_s, what="reset")
+        with self.waits.timed(Wait.ENV):
+            opening = await guarded(self.env.reset, timeout_s=self.settings.env_timeout_s, what="reset")
         check_messages(opening, "reset")
         messages = self.renderer.with_system(opening)
         traj = Trajectory(self.renderer.opening(opening), messages=messages, opened=len(messages))
@@ -201,7 +208,8 @@ class Episode:
             text = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
             traj.messages.append({"role": "assistant", "content": text})
             reply, tool_messages = await self._use_tools(text, turn, finish == "length", traj)
-            result = await guarded(self.env.step, reply, timeout_s=s.env_timeout_s, what="step")
+            with self.waits.timed(Wait.ENV):
+                result = await guarded(self.env.step, reply, timeout_s=s.env_timeout_s, what="step")
             if not isinstance(result, StepResult):
                 raise EpisodeError(f"step returned {type(result).__name__}, not a StepResult")
             check_messages(result.messages, "step")
@@ -247,11 +255,18 @@ class Episode:
 
     async def _use_tools(self, text: str, turn: int, truncated: bool,
                          traj: Trajectory) -> tuple[Reply, list[Message]]:
-        """Parse and run the reply's tool calls; their results are the next messages."""
-        if self.toolbox is None:
+        """Parse and run the reply's tool calls, all at once; their results, in call order, are
+        the next messages."""
+        toolbox = self.toolbox
+        if toolbox is None:
             return Reply(text, text.strip(), [], [], turn, truncated), []
         calls, errors = parse_tool_calls(text)
-        results = [await self.toolbox.run(call) for call in calls]
+
+        async def timed(call: ToolCall) -> ToolResult:
+            with self.waits.timed(Wait.TOOL):
+                return await toolbox.run(call)
+
+        results = list(await asyncio.gather(*(timed(call) for call in calls)))
         results += [ToolResult(None, message, error=True) for message in errors]
         traj.tool_calls += len(calls)
         traj.tool_errors += sum(r.error for r in results)

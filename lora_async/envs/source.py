@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import math
 import os
 import sys
 from typing import Any
@@ -25,7 +24,9 @@ from ..buffer import Group, TrainSample, group_advantages
 from ..config import EnvTask
 from ..outcomes import EpisodeStats, Outcome
 from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext
-from ..tasks.rewards import Reward, RewardFailed
+from ..config import auto_workers
+from ..rewards import Batch, Rewards, make_rewards
+from ..timing import NO_WAITS, Wait, Waits
 from .api import Split, check_env
 from .episode import Episode, EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, guarded
 from .render import ChatRenderer
@@ -67,7 +68,9 @@ class EnvSource:
     name = "env"
 
     def __init__(self, config: EnvTask, seed: int, where: str, adapter: str, settings: EpisodeSettings,
-                 eval_settings: EpisodeSettings, group_size: int) -> None:
+                 eval_settings: EpisodeSettings, group_size: int, in_flight: int = 1) -> None:
+        """`in_flight`: episodes at once (tools and rewards keep that many calls going, unless
+        `tool_workers` / `reward_workers` say)."""
         self.config, self.seed, self.where = config, seed, where
         self.adapter, self.settings, self.eval_settings, self.group_size = adapter, settings, eval_settings, group_size
         self.system_prompt = config.system_prompt
@@ -84,16 +87,17 @@ class EnvSource:
             self.schemas = tool_schemas(self.tools)
         except (TypeError, ToolError) as exc:
             raise EnvLoadError(str(exc) if str(exc).startswith(where) else f"{where} = {config.env!r}: {exc}") from None
-        self.toolbox = ToolBox(self.tools, config.tool_timeout_s, config.tool_workers) if self.tools else None
-        self.reward = self._user_reward()
+        self.toolbox = (ToolBox(self.tools, config.tool_timeout_s, auto_workers(config.tool_workers, in_flight))
+                        if self.tools else None)
+        self.reward: Rewards | None = None
+        if config.reward is not None:
+            try:
+                self.reward = make_rewards(config.reward_list(), config.reward_weights, config.reward_timeout_s,
+                                           auto_workers(config.reward_workers, in_flight), self.stats)
+            except Exception:
+                self.close()
+                raise
         self._renderers: dict[int, ChatRenderer] = {}
-
-    def _user_reward(self) -> Reward | None:
-        if self.config.reward is None:
-            return None
-        from ..tasks.rewards import make_reward
-
-        return make_reward(self.config.reward, self.config.reward_timeout_s, self.stats)
 
     def heldout(self) -> list[int]:
         """Indices of the held-out episodes (split "eval")."""
@@ -139,8 +143,10 @@ class EnvSource:
     async def rollout(self, index: int, ctx: RolloutContext) -> GroupRollout:
         """Play, score and package one group of episodes."""
         group_key = (self.adapter, index)  # its episodes share a replica where there are several
+        # the episodes play at once: their environment, tool and reward calls overlap
         played = await asyncio.gather(*(self.play(index, "train", ctx.tokenizer, self.settings, ctx.generate,
-                                                  self.adapter, ctx.tag, group_key) for _ in range(self.group_size)),
+                                                  self.adapter, ctx.tag, group_key, ctx.waits)
+                                        for _ in range(self.group_size)),
                                       return_exceptions=True)
         unexpected = [p for p in played if isinstance(p, BaseException) and not isinstance(p, EpisodeAborted)]
         if unexpected:
@@ -181,46 +187,44 @@ class EnvSource:
                           examples=[transcript(t) for t in episodes[:EVAL_EXAMPLES]], extra=stats.eval_figures())
 
     async def play(self, index: int, split: Split, tokenizer: Any, settings: EpisodeSettings, generate: Generate,
-                   adapter: str | None, tag: object, group: object = None) -> Trajectory:
+                   adapter: str | None, tag: object, group: object = None, waits: Waits = NO_WAITS) -> Trajectory:
         """One episode of problem `index`. Environment faults end it as `env_error` (counted);
-        generation faults raise `EpisodeAborted`."""
+        generation faults raise `EpisodeAborted`. Its environment, tool and reward calls are timed
+        in `waits` (a training rollout's; held-out episodes record nothing)."""
         try:
             env = await self.build(index, split)
             trajectory = await Episode(env, self.renderer(tokenizer), self.toolbox, settings, generate, adapter,
-                                       tag, group).play()
+                                       tag, group, waits).play()
         except (EpisodeError, TypeError) as exc:
             trajectory = Trajectory([], outcome=Outcome.ENV_ERROR, error=str(exc))
         if trajectory.outcome is Outcome.DONE and self.reward is not None:
-            trajectory.reward = await self._score(self.reward, trajectory)
+            trajectory.reward = await self._score(self.reward, trajectory, waits)
         if trajectory.outcome is Outcome.ENV_ERROR:
             self.stats.record_error(f"{self.config.env}: {trajectory.error}")
         self.stats.calls += 1
         return trajectory
 
-    async def _score(self, reward: Reward, trajectory: Trajectory) -> float:
+    async def _score(self, reward: Rewards, trajectory: Trajectory, waits: Waits = NO_WAITS) -> float:
+        """The user's reward of a finished episode (a failed call scores 0 and is counted)."""
         users = [m["content"] for m in trajectory.messages[: trajectory.opened] if m["role"] == "user"]
         replies = [m["content"] for m in trajectory.messages[trajectory.opened:] if m["role"] == "assistant"]
-        fields = {"prompt": users[-1] if users else "", "completion": replies[-1] if replies else "",
-                  "answer": str(trajectory.info.get("answer", "")), "messages": trajectory.messages,
-                  "turns": trajectory.turns, "tool_calls": trajectory.tool_calls, "env_reward": trajectory.reward,
-                  **trajectory.info}
-        try:
-            value = float(await asyncio.to_thread(lambda: reward(**fields)))
-            if not math.isfinite(value):
-                raise ValueError(f"reward is {value}")
-        except RewardFailed as exc:
-            self.stats.record_error(str(exc))
-            return 0.0
-        except Exception as exc:
-            self.stats.record_error(f"{self.config.reward}: {type(exc).__name__}: {exc}")
-            return 0.0
-        return value
+        fields = {**trajectory.info, "messages": trajectory.messages, "turns": trajectory.turns,
+                  "tool_calls": trajectory.tool_calls, "env_reward": trajectory.reward}
+        batch = Batch(users[-1] if users else "", str(trajectory.info.get("answer", "")),
+                      [replies[-1] if replies else ""], [[i for i, t in zip(trajectory.ids, trajectory.trained) if t]],
+                      fields)
+        with waits.waiting(Wait.REWARD):
+            scores = await reward.score(batch)
+        for call in scores.calls:
+            waits.record(Wait.REWARD, call.wait_s)
+        return scores.rewards[0]
 
     def close(self) -> None:
-        if self.toolbox is not None:
-            self.toolbox.close()
-        if self.reward is not None:
-            self.reward.close()
+        toolbox, reward = getattr(self, "toolbox", None), getattr(self, "reward", None)  # a part-built source too
+        if toolbox is not None:
+            toolbox.close()
+        if reward is not None:
+            reward.close()
 
 
 def transcript(t: Trajectory) -> tuple[str, str, str]:

@@ -8,7 +8,7 @@
 | `rollouts.py` | the producers (each group from the adapter's `rollout.RolloutSource`, counted, buffered) |
 | `batches.py` | collecting each step's batch from the buffer |
 | `publish.py` | handing new versions to the generator, the step's metrics line, the canary |
-| `rows.py` | the step's metrics line and `summary.json` |
+| `rows.py` | the step's metrics line and `summary.json`, each with where the time went (`timing.py`) |
 | `periodic.py` | checkpoints, held-out evals and the chart |
 | `lifecycle.py` | building the parts, resume, signals, teardown |
 """

@@ -13,7 +13,7 @@ import asyncio
 from ..buffer import Group
 from ..loss import has_gradient
 from ..outcomes import EpisodeStats
-from .state import MAX_PULL_FACTOR, AdapterRun, Run, StepMarks, samples_of
+from .state import MAX_PULL_FACTOR, AdapterRun, Run, samples_of
 
 TAKE_POLL_S = 1.0  # how often a waiting collector re-checks the limits and the run's state
 INFORMATIVE_EMA = 0.1  # smoothing of the share of groups with a reward signal (admission uses it)
@@ -25,7 +25,7 @@ def start_collectors(run: Run, ready: asyncio.Queue) -> list[asyncio.Task]:
 
 async def collect_loop(run: Run, adapter: AdapterRun, ready: asyncio.Queue) -> None:
     """Hand the learner one batch of this adapter at a time, until its steps are done."""
-    adapter.marks = StepMarks.now(run.generator.stats, adapter.counters.tokens_generated)
+    adapter.marks = run.marks(adapter)
     while not run.finished(adapter):
         groups = await collect_batch(run, adapter)
         if groups is None:
@@ -43,9 +43,11 @@ async def collect_batch(run: Run, adapter: AdapterRun) -> list[Group] | None:
     groups, adapter.carry = adapter.carry, []
     adapter.admission.batch_holds(len(groups), 0)
     adapter.pulled_rewards = [s.reward for g in groups for s in g.samples]
+    adapter.pulled_parts = {}
     adapter.pulled_episodes = EpisodeStats()
     for g in groups:
         adapter.pulled_episodes.merge(g.episodes)
+        pull_parts(adapter, g)
     pulled = 0
     while len(groups) < cfg.groups_per_step:
         if run.finished(adapter):
@@ -56,6 +58,7 @@ async def collect_batch(run: Run, adapter: AdapterRun) -> list[Group] | None:
         pulled += 1
         adapter.pulled_rewards.extend(group.rewards)
         adapter.pulled_episodes.merge(group.episodes)
+        pull_parts(adapter, group)
         trains = trains_on(run, group)
         adapter.informative_rate += INFORMATIVE_EMA * (float(trains) - adapter.informative_rate)
         if not trains:
@@ -96,3 +99,9 @@ async def take(run: Run, adapter: AdapterRun) -> Group | None:
         return None
     await run.notify()
     return group
+
+
+def pull_parts(adapter: AdapterRun, group: Group) -> None:
+    """Each reward function's values of a group taken for this step (those it scored)."""
+    for name, values in group.reward_parts.items():
+        adapter.pulled_parts.setdefault(name, []).extend(v for v in values if v is not None)

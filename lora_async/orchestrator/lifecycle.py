@@ -23,10 +23,11 @@ from ..checkpoint import RunState, latest_checkpoint, load_checkpoint
 from ..config import TrainConfig, dump_config
 from ..generator.types import Generator
 from ..learner.api import LearnerAPI
-from ..metrics import MetricsWriter, summary_table, truncate_metrics
+from ..metrics import MetricsWriter, summary_table, truncate_metrics, where_the_time_went
 from ..placement import Placement, pin_current_thread
 from ..sync.transports import Transport
 from ..tasks import make_source
+from ..timing import TimeBoard
 from .admission import Admission
 from .periodic import checkpoint, evaluate_all, save_adapter
 from .rows import run_summary
@@ -128,7 +129,9 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
     if parts is None:
         parts = await asyncio.to_thread(LocalParts, config, console, out_dir)
     console.print(parts.describe())
-    adapters = {spec.name: AdapterRun(spec, make_source(spec, config, config.run.seed), Admission(config.buffer.window))
+    board = TimeBoard()  # the run's: each adapter's waits report to it
+    adapters = {spec.name: AdapterRun(spec, make_source(spec, config, config.run.seed), Admission(config.buffer.window),
+                                      waits=board.waits())
                 for spec in config.adapter_specs}
     for adapter in adapters.values():
         console.print(f"{adapter.name}: {adapter.source.describe()}", highlight=False)
@@ -159,7 +162,8 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
     run = Run(config=config, out_dir=out_dir, console=console, adapters=adapters, tokenizer=tokenizer,
               generator=generator, transport=transport, learner=learner, learner_pool=pool,
               buffer=RolloutBuffer(config.buffer.max_tokens, config.buffer.window, config.buffer.stale_policy),
-              store=AdapterStore(out_dir), metrics=MetricsWriter(out_dir, list(adapters), config.run, console))
+              store=AdapterStore(out_dir), metrics=MetricsWriter(out_dir, list(adapters), config.run, console),
+              board=board)
     if state is not None:
         restore(run, state)
     for adapter in adapters.values():
@@ -187,7 +191,8 @@ def install_stop_signals(run: Run) -> None:
 
 
 async def stop_workers(run: Run, workers: list[asyncio.Task]) -> None:
-    """Producers and collectors end: generation in flight is abandoned (not saved)."""
+    """Producers, collectors and the time board's sampler end: generation in flight is abandoned
+    (not saved)."""
     run.check_limits()
     await run.notify()
     for task in workers:
@@ -221,6 +226,9 @@ async def finish_run(run: Run) -> dict[str, Any]:
     summary = run_summary(run)
     (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     run.console.print(summary_table(summary))
+    split = where_the_time_went(summary)
+    if split is not None:
+        run.console.print(split, highlight=False)
     for name, adapter in run.adapters.items():
         ends = {row["when"]: row for row in run.evals if row["adapter"] == name}
         if "start" in ends and "end" in ends:

@@ -29,7 +29,7 @@ from .periodic import after_step, evaluate_all, save_snapshot
 from .publish import publish_and_record, publish_initial
 from .rollouts import ROLLOUT_TAG, start_producers
 from .rows import step_row
-from .state import AdapterRun, Run, StepMarks, TrainingError, samples_of
+from .state import AdapterRun, Run, TrainingError, samples_of
 
 READY_POLL_S = 1.0  # how often the idle main loop re-checks the limits and the run's state
 
@@ -41,8 +41,8 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
     The shutdown order, whatever ended the run:
     1. the main loop leaves: every adapter did `run.max_steps`, the time budget is spent, a
        signal asked to stop (after the current step), or `Run.fail` recorded an error;
-    2. producers and collectors are cancelled (groups still generating or buffered are dropped;
-       on resume their prompts are skipped);
+    2. producers, collectors and the time board's sampler are cancelled (groups still generating
+       or buffered are dropped; on resume their prompts are skipped);
     3. pending publishes finish, so every step has its metrics line (`finish_run`);
     4. background evals and the chart are cancelled;
     5. a checkpoint and the final adapters (and the end eval), or after a failure a checkpoint of
@@ -61,12 +61,16 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
         if config.run.eval_at_start:
             await evaluate_all(run, "start")
         ready: asyncio.Queue[tuple[AdapterRun, list[Group]]] = asyncio.Queue()
-        workers = start_producers(run) + start_collectors(run, ready)
+        run.began = run.marks()
+        run.learner_clock.start()
+        # the board's sampler runs beside the producers, and is cancelled with them
+        workers = start_producers(run) + start_collectors(run, ready) + [asyncio.create_task(run.board.sample())]
         while not run.finished():
             try:
                 adapter, groups = await asyncio.wait_for(ready.get(), READY_POLL_S)
             except asyncio.TimeoutError:
                 continue
+            run.learner_clock.batch_ready()
             try:
                 await train_step(run, adapter, groups)
             except Exception as exc:  # the learner failed (a dead rank, out of memory): the run fails,
@@ -75,7 +79,10 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
             adapter.trained.set()
             if on_step is not None:
                 on_step(run)
+            run.learner_clock.step_done()
     finally:
+        if run.began is not None:
+            run.ended = run.marks()
         await stop_workers(run, workers)
         summary = await finish_run(run)
     if run.error is not None:
@@ -86,10 +93,10 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
 async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None:
     """One learner step of one adapter. The new version is handed over in the background, so the
     learner never waits for the engine; the step's metrics line follows its registration."""
-    rewards = adapter.source.stats
-    if adapter.step == 0 and rewards.calls and rewards.errors >= rewards.calls:
+    never_worked = adapter.source.stats.never_worked()
+    if adapter.step == 0 and never_worked is not None:  # a reward (or an environment) that fails on every call
         run.fail(TrainingError(f"{adapter.name}: every reward call of the first step failed; "
-                               f"the first error: {rewards.first_error}"))
+                               f"the first error: {never_worked}"))
         return
     # Groups still generating on versions this step makes too old could only be dropped as
     # stale: stop them now, so the engine (and, on shared cores, the learner) gets the time.
@@ -103,9 +110,11 @@ async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None
     adapter.step += 1
     run.global_step += 1
     adapter.counters.skipped_nonfinite += int(stats.skipped_nonfinite)
-    row = step_row(run, adapter, groups, stats)
+    run.learner_clock.trained(stats.seconds)
+    ended = run.marks(adapter)  # this step's row ends where the next one's begins
+    row = step_row(run, adapter, groups, stats, ended)
     adapter.last_reward = row["reward_mean"]
-    adapter.marks = StepMarks.now(run.generator.stats, adapter.counters.tokens_generated)
+    adapter.marks = ended
     if version is not None and snapshot_due(run, adapter):
         save_snapshot(run, adapter, version, row["wall_s"])
     adapter.publishing = asyncio.create_task(publish_and_record(run, adapter, version, row, adapter.publishing))

@@ -4,6 +4,10 @@ Each adapter has its own producers (its weight's share of `generator.groups_in_f
 producer starts a group when admitted, has the adapter's rollout source generate and score it
 (`rollout.RolloutSource`: one request of n completions, or n episodes), counts what it came to,
 and puts the group in the rollout buffer, until the run stops.
+
+A producer held back (by admission, or by a full buffer: both wait for the learner) marks
+`Wait.ADMISSION` on the run's board for as long as it is; its rollouts' reward, tool and
+environment waits go to the adapter's `Waits` through its `RolloutContext`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import asyncio
 from ..buffer import Group
 from ..generator.types import GenStatus
 from ..rollout import GroupRollout, RolloutContext
+from ..timing import Wait
 from .state import AdapterRun, Run, TrainingError
 
 ADMISSION_POLL_S = 0.25  # producers re-check admission at least this often (stale drops notify no one)
@@ -36,7 +41,7 @@ def start_producers(run: Run) -> list[asyncio.Task]:
 async def produce(run: Run, adapter: AdapterRun) -> None:
     """One producer of one adapter. An unexpected error fails the run (a silently dead producer
     would hang it)."""
-    ctx = RolloutContext(run.generate, run.tokenizer, ROLLOUT_TAG)
+    ctx = RolloutContext(run.generate, run.tokenizer, ROLLOUT_TAG, adapter.waits)
     try:
         while run.running:
             await admitted(run, adapter)
@@ -49,7 +54,8 @@ async def produce(run: Run, adapter: AdapterRun) -> None:
             try:
                 group = record(run, adapter, await adapter.source.rollout(index, ctx))
                 if group is not None:
-                    await run.buffer.put(group)
+                    with adapter.waits.waiting(Wait.ADMISSION):  # a full buffer holds it back too
+                        await run.buffer.put(group)
             finally:
                 adapter.admission.group_finished()
                 await run.notify()
@@ -61,16 +67,24 @@ async def produce(run: Run, adapter: AdapterRun) -> None:
 
 
 async def admitted(run: Run, adapter: AdapterRun) -> None:
-    """Wait until a new group of `adapter` may start (or the run stops)."""
+    """Wait until a new group of `adapter` may start (or the run stops). Only a producer actually
+    held back marks the admission wait."""
     per_step = run.config.learner.groups_per_step
+
+    def held_back() -> bool:
+        return run.running and not adapter.admission.may_start(
+            run.buffer.groups(adapter.name), run.learner.version(adapter.name),
+            adapter.groups_consumed_per_step(per_step))
+
     async with run.admission:
-        while run.running and not adapter.admission.may_start(
-                run.buffer.groups(adapter.name), run.learner.version(adapter.name),
-                adapter.groups_consumed_per_step(per_step)):
-            try:
-                await asyncio.wait_for(run.admission.wait(), ADMISSION_POLL_S)
-            except asyncio.TimeoutError:
-                pass
+        if not held_back():
+            return
+        with adapter.waits.waiting(Wait.ADMISSION):
+            while held_back():
+                try:
+                    await asyncio.wait_for(run.admission.wait(), ADMISSION_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
 
 
 def record(run: Run, adapter: AdapterRun, rollout: GroupRollout) -> Group | None:

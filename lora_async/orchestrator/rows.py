@@ -1,21 +1,29 @@
 """The rows a run writes: each step's metrics line and `summary.json`, built from the run's state
-(`metrics.MetricsWriter` writes them; it knows nothing of the orchestrator)."""
+(`metrics.MetricsWriter` writes them; it knows nothing of the orchestrator).
+
+Both say where the time went (`timing.py`): the generator's compute against its idle time and
+what it waited on, the learner's compute against its wait for data, and the reward, tool and
+environment calls' p50/p95.
+"""
 
 from __future__ import annotations
 
 import statistics
-import time
 from typing import TYPE_CHECKING, Any
 
 from ..buffer import Group
+from ..timing import call_figures
 from .state import AdapterRun, Run, StepMarks
 
 if TYPE_CHECKING:
     from ..learner import StepStats  # the learner package imports peft: only for the annotation
 
 
-def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStats) -> dict[str, Any]:
-    """The step's metrics line (the sync figures are filled in once the version is registered)."""
+def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStats,
+             until: StepMarks | None = None) -> dict[str, Any]:
+    """The step's metrics line, over the interval from the adapter's marks to `until` (default:
+    now). The sync figures are filled in once the version is registered. The reward, tool and
+    environment calls recorded since the adapter's previous step are taken for it."""
     samples = [s for g in groups for s in g.samples]
     # The policy's reward: every group taken for this step, including those with no signal
     # (all samples equal) that were not trained on.
@@ -23,8 +31,9 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
     batch_rewards = [s.reward for s in samples]
     lags = [s.policy_lag for s in samples]
     marks = adapter.marks
-    elapsed = max(time.perf_counter() - marks.wall, 1e-9)
-    gen_busy = run.generator.stats.busy_s - marks.busy_s
+    until = until or run.marks(adapter)
+    elapsed = max(until.wall - marks.wall, 1e-9)
+    gen_busy = until.busy_s - marks.busy_s
     ls = stats.loss_stats
     counters = adapter.counters
     return {
@@ -32,6 +41,8 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         "wall_s": round(run.wall_s, 3),
         "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
         "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        # each reward function's mean over the completions it scored (`reward/<name>`)
+        **{f"reward/{name}": statistics.fmean(values) for name, values in adapter.pulled_parts.items() if values},
         "batch_reward_mean": statistics.fmean(batch_rewards) if batch_rewards else 0.0,
         "samples": len(samples), "groups": len(groups), "flat_groups_trained": sum(not g.informative for g in groups),
         "tokens_generated": counters.tokens_generated - marks.tokens,
@@ -45,6 +56,9 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         "ratio_min": ls.ratio_min if ls.tokens else 1.0, "clip_frac": ls.clip_frac, "kl": ls.kl,
         "loss": stats.loss, "grad_norm": stats.grad_norm, "updated": stats.updated,
         "sync_ms": 0.0, "sync_wait_ms": 0.0, "learner_s": stats.seconds,
+        "learner_wait_s": round(run.learner_clock.waited_s, 4),
+        "step_s": round(elapsed, 4), **generator_split(marks, until),
+        **{key: round(value, 6) for key, value in call_figures(adapter.waits.take()).items()},
         "gen_idle_frac": max(0.0, 1.0 - gen_busy / elapsed),
         "engine_running_mean": engine_running_mean(run, marks),
         "learner_idle_frac": max(0.0, 1.0 - stats.seconds / elapsed),
@@ -55,6 +69,31 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         **episode_figures(adapter),
         **run.generator.stats.replica_figures(),
     }
+
+
+def generator_split(since: StepMarks, until: StepMarks) -> dict[str, float]:
+    """Where the generator's time went between two marks: computing (the engine's busy time,
+    exact; capped at the interval, which an engine step straddling a mark can overshoot) or
+    idle, the idle time split by what waited while no request was in flight (the board's
+    samples, fitted to it: the parts sum to `gen_idle_s`)."""
+    interval = max(until.wall - since.wall, 0.0)
+    compute = min(max(until.busy_s - since.busy_s, 0.0), interval)
+    split = until.idle.minus(since.idle).fitted(interval - compute)
+    return {"gen_compute_s": round(compute, 4), "gen_idle_s": round(interval - compute, 4),
+            **{f"gen_idle_{cause}_s": round(seconds, 4) for cause, seconds in split.parts().items()}}
+
+
+def time_totals(run: Run) -> dict[str, float]:
+    """The run's time split, from training's start to its end (this session's, after a resume):
+    the generator's, and the learner's compute, wait for data, and the rest (step bookkeeping,
+    checkpoints, the stretch after the last step). Empty if training never began."""
+    if run.began is None or run.ended is None:
+        return {}
+    training = max(run.ended.wall - run.began.wall, 0.0)
+    clock = run.learner_clock
+    return {"training_s": round(training, 3), **generator_split(run.began, run.ended),
+            "learner_compute_s": round(clock.compute_s, 4), "learner_wait_s": round(clock.wait_s, 4),
+            "learner_other_s": round(max(0.0, training - clock.compute_s - clock.wait_s), 4)}
 
 
 def engine_running_mean(run: Run, marks: StepMarks) -> float | None:
@@ -82,16 +121,19 @@ def run_summary(run: Run) -> dict[str, Any]:
     for name, adapter in run.adapters.items():
         prefix = "" if len(run.adapters) == 1 else f"{name}."
         counters = adapter.counters
-        totals = {"version": run.learner.version(name), "zero_adv_groups": counters.zero_adv_groups,
-                  "tokens_generated": counters.tokens_generated, "skipped_nonfinite": counters.skipped_nonfinite,
-                  "rejected_versions": counters.rejected_versions, "aborted_stale_groups": counters.aborted_stale,
-                  "reward_errors": adapter.source.stats.errors}
+        totals: dict[str, Any] = {
+            "version": run.learner.version(name), "zero_adv_groups": counters.zero_adv_groups,
+            "tokens_generated": counters.tokens_generated, "skipped_nonfinite": counters.skipped_nonfinite,
+            "rejected_versions": counters.rejected_versions, "aborted_stale_groups": counters.aborted_stale,
+            "reward_errors": adapter.source.stats.errors}
         if counters.episode_stats.episodes:
             totals.update(counters.episode_stats.summary_figures())
+        totals.update({key: round(value, 6) for key, value in adapter.waits.run_figures().items()})
         summary.update({f"{prefix}{key}": value for key, value in totals.items()})
         for row in (r for r in run.evals if r["adapter"] == name):
             summary[f"{prefix}accuracy_{row['when']}"] = row["accuracy"]
     summary.update(run.generator.stats.replica_figures())
+    summary.update(time_totals(run))
     if run.error is not None:
         summary["error"] = str(run.error)
     return summary

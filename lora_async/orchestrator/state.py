@@ -26,6 +26,7 @@ from ..generator.types import GenRequest, GenResult, Generator, GeneratorStats, 
 from ..learner.api import LearnerAPI
 from ..outcomes import EpisodeStats
 from ..rollout import RolloutSource
+from ..timing import IdleSplit, LearnerClock, TimeBoard, Waits
 from .admission import Admission
 
 if TYPE_CHECKING:
@@ -76,17 +77,19 @@ class Counters:
 
 @dataclass(frozen=True)
 class StepMarks:
-    """Where the clocks stand when an adapter's step begins (its metrics line reports the differences)."""
+    """Where the clocks stand when an adapter's step begins (its metrics line reports the
+    differences), or when training begins and ends (the summary's time split)."""
 
     wall: float = field(default_factory=time.perf_counter)
     busy_s: float = 0.0  # the generator's busy time
     tokens: int = 0  # the adapter's tokens generated
     engine_steps: float = 0.0
     engine_running: float = 0.0
+    idle: IdleSplit = IdleSplit()  # the board's sampled no-request time, by cause
 
     @classmethod
-    def now(cls, stats: GeneratorStats, tokens_generated: int) -> "StepMarks":
-        return cls(time.perf_counter(), stats.busy_s, tokens_generated, stats.steps, stats.running)
+    def now(cls, stats: GeneratorStats, tokens_generated: int, board: TimeBoard) -> "StepMarks":
+        return cls(time.perf_counter(), stats.busy_s, tokens_generated, stats.steps, stats.running, board.snapshot())
 
 
 @dataclass
@@ -100,6 +103,7 @@ class AdapterRun:
     next_problem: int = 0
     carry: list[Group] = field(default_factory=list)  # taken, but did not fit the last step
     pulled_rewards: list[float] = field(default_factory=list)  # every group taken for this step
+    pulled_parts: dict[str, list[float]] = field(default_factory=dict)  # ... each reward function's values
     pulled_episodes: EpisodeStats = field(default_factory=EpisodeStats)  # ... and their episodes
     informative_rate: float = 1.0  # running share of groups with a reward signal
     counters: Counters = field(default_factory=Counters)
@@ -110,6 +114,7 @@ class AdapterRun:
     trained: asyncio.Event = field(default_factory=asyncio.Event)
     rejected_in_a_row: int = 0
     publishing: asyncio.Task | None = None  # the newest version's hand-off (and metrics line)
+    waits: Waits = field(default_factory=Waits)  # its rollouts' waits (`Run.board.waits()` in a run)
 
     @property
     def name(self) -> str:
@@ -145,6 +150,10 @@ class Run:
     evals: list[dict] = field(default_factory=list)
     background: set[asyncio.Task] = field(default_factory=set)
     charting: bool = False
+    board: TimeBoard = field(default_factory=TimeBoard)  # what waits, requests in flight, sampled idle time
+    learner_clock: LearnerClock = field(default_factory=LearnerClock)
+    began: StepMarks | None = None  # the clocks when training began (producers started) ...
+    ended: StepMarks | None = None  # ... and when it ended (producers stopped): the summary's split
 
     # ---- stopping
     @property
@@ -188,7 +197,17 @@ class Run:
         return await asyncio.get_running_loop().run_in_executor(self.learner_pool, fn, *args)
 
     def generate(self, request: GenRequest) -> Awaitable[GenResult]:
-        return generate_async(self.generator)(request)
+        """Every request of the run (rollouts, evals, the canary) goes through here, so the board
+        counts the requests in flight: while there are none, the generator is idle."""
+        future = asyncio.ensure_future(generate_async(self.generator)(request))
+        self.board.request_started()
+        future.add_done_callback(lambda _: self.board.request_finished())
+        return future
+
+    def marks(self, adapter: AdapterRun | None = None) -> StepMarks:
+        """The clocks now (an adapter's step marks, or the run's with no adapter)."""
+        tokens = adapter.counters.tokens_generated if adapter is not None else 0
+        return StepMarks.now(self.generator.stats, tokens, self.board)
 
     async def notify(self) -> None:
         """Wake the producers: admission may have changed."""

@@ -2,23 +2,24 @@
 
 A single-turn task is a problem set (`problems.Task`): training problems by index
 (deterministic for a seed, so a resumed run continues exactly where it stopped), a fixed
-held-out split for evaluation, and a reward function. `make_source` wraps an adapter's task,
-of either kind (a problem set, or an environment from `envs`), in the one contract the
-orchestrator and `evaluate` use (`rollout.RolloutSource`).
+held-out split for evaluation, and its rewards (`rewards.Rewards`). `make_source` wraps an
+adapter's task, of either kind (a problem set, or an environment from `envs`), in the one
+contract the orchestrator and `evaluate` use (`rollout.RolloutSource`).
 """
 
 from __future__ import annotations
 
-from ..config import AdapterSpec, ArithmeticTask, EnvTask, JsonlTask, TrainConfig
+from ..config import AdapterSpec, ArithmeticTask, EnvTask, JsonlTask, TrainConfig, auto_workers
+from ..rewards import RewardError
 from ..rollout import RolloutSource
 from .problems import Problem, RewardStats, Task, render_prompt
-from .rewards import RewardError
 
 __all__ = ["Problem", "RewardStats", "Task", "make_source", "make_task", "render_prompt", "RewardError"]
 
 
-def make_task(config: ArithmeticTask | JsonlTask | EnvTask, seed: int) -> Task:
-    """The problem set of a single-turn `[task]` table."""
+def make_task(config: ArithmeticTask | JsonlTask | EnvTask, seed: int, in_flight: int = 1) -> Task:
+    """The problem set of a single-turn `[task]` table; `in_flight` completions at once size its
+    reward pools unless `reward_workers` says."""
     if isinstance(config, EnvTask):
         raise ValueError(f"an environment task ({config.env}) has no problem set; use make_source")
     if isinstance(config, ArithmeticTask):
@@ -27,18 +28,23 @@ def make_task(config: ArithmeticTask | JsonlTask | EnvTask, seed: int) -> Task:
         return ArithmeticProblems(config, seed)
     from .jsonl import JsonlProblems
 
-    return JsonlProblems(config, seed)
+    return JsonlProblems(config, seed, auto_workers(config.reward_workers, in_flight))
 
 
 def make_source(spec: AdapterSpec, config: TrainConfig, seed: int) -> RolloutSource:
     """The rollout source of one adapter: its task with the adapter's sampling, eval length and
-    (environments) episode settings. Errors name the task's table (`spec.task_path`)."""
+    (environments) episode settings. Errors name the task's table (`spec.task_path`).
+
+    Rewards and tools keep as many calls going as completions or episodes can be in flight:
+    `generator.groups_in_flight` groups of `samples_per_prompt` (unless the task says)."""
+    in_flight = config.generator.groups_in_flight * spec.sampling.samples_per_prompt
     if isinstance(spec.task, EnvTask):
         from ..envs.episode import EpisodeSettings
         from ..envs.source import EnvSource
 
         return EnvSource(spec.task, seed, f"{spec.task_path}.env", spec.name, EpisodeSettings.for_adapter(config, spec),
-                         EpisodeSettings.for_adapter(config, spec, greedy=True), spec.sampling.samples_per_prompt)
+                         EpisodeSettings.for_adapter(config, spec, greedy=True), spec.sampling.samples_per_prompt,
+                         in_flight)
     from .source import SingleTurnSource
 
-    return SingleTurnSource(make_task(spec.task, seed), spec.name, spec.sampling, spec.eval_max_tokens)
+    return SingleTurnSource(make_task(spec.task, seed, in_flight), spec.name, spec.sampling, spec.eval_max_tokens)

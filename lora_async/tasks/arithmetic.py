@@ -11,8 +11,8 @@ import hashlib
 import random
 
 from ..config import ArithmeticTask
+from ..rewards import Rewards, make_rewards
 from .problems import Problem, RewardStats
-from .rewards import numeric_reward
 
 HELDOUT_PERCENT = 30  # share of the problem space kept for evaluation
 ENUMERATE_LIMIT = 200_000  # spaces up to this size are listed exhaustively for the split
@@ -26,6 +26,7 @@ class ArithmeticProblems:
         self.seed = seed
         self.system_prompt = config.system_prompt
         self.stats = RewardStats()
+        self.rewards: Rewards = make_rewards(["numeric"], None, timeout_s=1.0, workers=1, stats=self.stats)
         d = config.digits
         self.lo, self.hi = (0 if d == 1 else 10 ** (d - 1)), 10**d - 1
         self._heldout = self._build_heldout()
@@ -71,10 +72,6 @@ class ArithmeticProblems:
 
     def heldout(self) -> list[Problem]:
         return list(self._heldout)
-
-    def rewards(self, problem: Problem, completions: list[str]) -> list[float]:
-        self.stats.calls += len(completions)
-        return [numeric_reward(c, problem.answer) for c in completions]
 
     def close(self) -> None:
         pass

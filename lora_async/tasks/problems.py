@@ -5,17 +5,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..rewards import Batch, Rewards
 from ..rollout import RewardStats  # the counters every rollout source keeps (re-exported: tasks.RewardStats)
+
+Messages = list[dict[str, str]]
 
 
 @dataclass(frozen=True)
 class Problem:
     index: int  # position in the training stream (or in the held-out list)
-    prompt: str  # the user message
+    prompt: str | Messages  # the user message, or a chat (a record whose prompt is a list of messages)
     answer: str  # the reference the reward compares against
     # The record's other fields (JSONL tasks), passed to user rewards by name. Left out of the
     # hash, which a dict cannot take part in.
     fields: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def batch(self, completions: list[str], completion_ids: list[list[int]] | None = None) -> Batch:
+        """Completions of this problem, as its rewards score them."""
+        return Batch(self.prompt, self.answer, completions, completion_ids or [], self.fields)
+
+    @property
+    def text(self) -> str:
+        """The prompt for display: the text, or a chat's last user message."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return next((m.get("content", "") for m in reversed(self.prompt) if m.get("role") == "user"), "")
 
 
 class Task(Protocol):
@@ -32,21 +46,24 @@ class Task(Protocol):
     def describe(self) -> str:
         """One startup line: what the task is and which fields its reward gets."""
 
-    def rewards(self, problem: Problem, completions: list[str]) -> list[float]:
-        """Score each completion of one problem. Never raises: failures score 0 and count."""
+    @property
+    def rewards(self) -> Rewards:
+        """The task's reward functions (`rewards.Rewards`): `await rewards.score(problem.batch(...))`.
+        Never raises: failures score 0 and count in `stats`."""
 
     def close(self) -> None: ...
 
 
-def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None) -> list[int]:
-    """Token ids of the chat-formatted prompt, ending where the assistant starts."""
-    messages = [{"role": "user", "content": prompt}]
-    if system_prompt is not None:
+def render_prompt(tokenizer: Any, prompt: str | Messages, system_prompt: str | None) -> list[int]:
+    """Token ids of the chat-formatted prompt, ending where the assistant starts. A chat prompt
+    keeps its own system message, if it has one."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt is not None and not any(m.get("role") == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system_prompt})
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
-    text = (f"{system_prompt}\n\n" if system_prompt else "") + prompt + "\n"
+    text = "\n\n".join(m["content"] for m in messages) + "\n"
     return list(tokenizer(text)["input_ids"])

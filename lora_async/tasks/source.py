@@ -1,9 +1,10 @@
 """A single-turn task as a rollout source: a problem set (`problems.Task`) and its reward.
 
 A training group is ONE request of `samples_per_prompt` completions of one problem, so the
-shared prompt is prefilled once; the completions are scored together by the task's reward,
-off the event loop (a user reward runs in a subprocess and may take its time). Held-out
-evaluation is one greedy completion per problem.
+shared prompt is prefilled once; the completions are scored together by the task's rewards,
+all at once (`rewards.Rewards`: user functions run in worker pools and may take their time;
+the event loop only awaits them). Held-out evaluation is one greedy completion per problem,
+every problem scored at once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..buffer import Group, TrainSample, group_advantages
 from ..config import SamplingConfig
 from ..generator.types import GenRequest
 from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext
+from ..timing import Wait
 from .problems import Task, render_prompt
 
 GREEDY = 0.0  # vLLM treats temperature 0 as greedy decoding
@@ -47,13 +49,16 @@ class SingleTurnSource:
         if not result.ok or result.version is None:
             return GroupRollout.failed(result)
         texts = ctx.tokenizer.batch_decode([s.token_ids for s in result.samples], skip_special_tokens=True)
-        errors_before = task.stats.errors
-        rewards = await asyncio.to_thread(task.rewards, problem, texts)
-        fault = f"the reward failed: {task.stats.last_error}" if task.stats.errors > errors_before else None
+        with ctx.waits.waiting(Wait.REWARD):
+            scores = await task.rewards.score(problem.batch(texts, [s.token_ids for s in result.samples]))
+        for call in scores.calls:
+            ctx.waits.record(Wait.REWARD, call.wait_s)
+        rewards = scores.rewards
         samples = [TrainSample(self.adapter, result.version, prompt_ids, s.token_ids, s.logprobs, r, a, s.finish_reason)
                    for s, r, a in zip(result.samples, rewards, group_advantages(rewards))]
-        return GroupRollout(Group(self.adapter, result.version, index, samples),
-                            tokens=sum(len(s.token_ids) for s in result.samples), fault=fault)
+        group = Group(self.adapter, result.version, index, samples, reward_parts=scores.parts)
+        return GroupRollout(group, tokens=sum(len(s.token_ids) for s in result.samples),
+                            fault=None if scores.fault is None else f"the reward failed: {scores.fault}")
 
     async def evaluate(self, generate: Generate, tokenizer: Any, adapter: str | None, limit: int = 0) -> EvalResult:
         task = self.task
@@ -65,12 +70,14 @@ class SingleTurnSource:
         if failed is not None:
             raise RuntimeError(f"evaluation request failed ({failed.status.value}): {failed.error}")
         texts = [tokenizer.decode(r.samples[0].token_ids, skip_special_tokens=True) for r in results]
-        rewards = await asyncio.to_thread(lambda: [task.rewards(p, [t])[0] for p, t in zip(problems, texts)])
+        scored = await asyncio.gather(*(task.rewards.score(p.batch([t], [r.samples[0].token_ids]))
+                                        for p, t, r in zip(problems, texts, results)))
+        rewards = [s.rewards[0] for s in scored]
         n = len(rewards)
         return EvalResult(adapter=adapter, version=results[-1].version if results else None,
                           accuracy=sum(r >= 1.0 for r in rewards) / n if n else 0.0,
                           mean_reward=sum(rewards) / n if n else 0.0, n=n,
-                          examples=[(p.prompt, t, p.answer) for p, t in zip(problems[:EVAL_EXAMPLES], texts)])
+                          examples=[(p.text, t, p.answer) for p, t in zip(problems[:EVAL_EXAMPLES], texts)])
 
     async def probe_prompt(self, tokenizer: Any) -> list[int] | None:
         """The first held-out problem (or the first training one, without a held-out split)."""
