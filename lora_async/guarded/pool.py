@@ -37,6 +37,7 @@ import time
 from typing import IO, Any, Iterable, Mapping
 
 HELLO_TIMEOUT_S = 60.0  # importing a user module may pull in sympy, numpy, ...; only a hang is this slow
+GROW_AFTER_S = 0.05  # a queued call that waited this long starts another worker (up to the size)
 CANCEL_GRACE_S = 2.0  # an async call that does not end this long after its cancel costs its process
 STDERR_TAIL_CHARS = 500  # how much of a dead child's stderr goes into its error message
 READ_CHUNK = 65536
@@ -237,6 +238,8 @@ class GuardedPool:
         deadlines = [c.deadline for w in self._workers for c in w.calls.values()]
         deadlines += [d for w in self._workers for d in w.cancelling.values()]
         deadlines += [w.hello_deadline for w in self._workers if not w.ready]
+        if self._queue and len(self._workers) < self._limit:  # when queued calls will have waited long enough to grow
+            deadlines += [c.submitted + GROW_AFTER_S for c in self._queue if not self._overdue(c)][:1]
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
@@ -260,11 +263,21 @@ class GuardedPool:
         per_worker = self.size if self.is_async else 1
         return next((w for w in self._workers if w.ready and not w.cancelling and len(w.calls) < per_worker), None)
 
+    @property
+    def _limit(self) -> int:
+        return 1 if self.is_async else self.size
+
+    @staticmethod
+    def _overdue(call: _Call) -> bool:
+        return time.monotonic() - call.submitted >= GROW_AFTER_S
+
     def _grow(self) -> None:
-        """Start the workers the queue needs, as far as the size allows (an async function: one)."""
-        limit = 1 if self.is_async else self.size
+        """Start the workers the queue needs, as far as the size allows (an async function: one).
+        A queued call asks for a worker once it has waited GROW_AFTER_S (none alive: at once), so
+        a fast function keeps one process however many calls arrive together."""
         starting = sum(not w.ready for w in self._workers)
-        while len(self._workers) < limit and starting < len(self._queue):
+        waiting = len(self._queue) if not self._workers else sum(self._overdue(c) for c in self._queue)
+        while len(self._workers) < self._limit and starting < waiting:
             try:
                 worker = self._spawn()
             except OSError as exc:
