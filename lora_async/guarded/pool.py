@@ -304,10 +304,8 @@ class GuardedPool:
             return
         worker.buffer += chunk
         while b"\n" in worker.buffer:
-            line, worker.buffer = worker.buffer.split(b"\n", 1)
-            try:
-                message = json.loads(line)
-            except ValueError:
+            message = self._take_line(worker)
+            if message is None:  # a garbled line: the worker cannot be trusted any more
                 self._died(worker)
                 return
             if worker.ready:
@@ -391,17 +389,23 @@ class GuardedPool:
                     break
                 worker.buffer += chunk
         if b"\n" in worker.buffer:
-            line, worker.buffer = worker.buffer.split(b"\n", 1)
-            try:
-                hello = json.loads(line)
-            except ValueError:
-                hello = None
+            hello = self._take_line(worker)
         if hello is None or not hello.get("ready"):
             error = (hello or {}).get("error") or self._stderr_tail(worker) or "the worker exited without a word"
             self._kill(worker, gently=False)
             raise GuardedError(f"{self.spec} could not be loaded: {error}")
         worker.ready = True
         return worker, hello
+
+    @staticmethod
+    def _take_line(worker: _Worker) -> dict[str, Any] | None:
+        """The first whole line of the worker's output, parsed (None: not JSON)."""
+        line, worker.buffer = worker.buffer.split(b"\n", 1)
+        try:
+            message = json.loads(line)
+        except ValueError:
+            return None
+        return message if isinstance(message, dict) else None
 
     def _adopt(self, worker: _Worker) -> None:
         self._workers.append(worker)
