@@ -1,7 +1,8 @@
 """Guarded calls of user functions (rewards, tools): each runs in child processes, concurrently,
 with a time limit per call; nothing a user function does can take the training run down.
 
-    pool.py     GuardedPool (the parent side: processes, queue, deadlines), Outcome, GuardedError
+    pool.py     GuardedPool (the parent side: the queue, workers on demand, deadlines), Outcome, GuardedError
+    process.py  one worker from the parent's side: spawn, pipes, reply lines, kill
     worker.py   the child: imports the function, answers calls (plain: one at a time; async: all at once)
 
 The names are loaded on first use, so a worker process (which imports this package first)

@@ -28,20 +28,16 @@ import itertools
 import json
 import os
 import selectors
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from typing import IO, Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping
+
+from .process import Call, Worker
 
 HELLO_TIMEOUT_S = 60.0  # importing a user module may pull in sympy, numpy, ...; only a hang is this slow
 GROW_AFTER_S = 0.05  # a queued call that waited this long starts another worker (up to the size)
 CANCEL_GRACE_S = 2.0  # an async call that does not end this long after its cancel costs its process
-STDERR_TAIL_CHARS = 500  # how much of a dead child's stderr goes into its error message
-READ_CHUNK = 65536
-WORKER_MODULE = "lora_async.guarded.worker"
+WAKE_CHUNK = 4096
 
 
 def _as_json(obj: Any) -> Any:
@@ -86,32 +82,6 @@ class Outcome:
         return f"{self.message} ({self.location})"
 
 
-@dataclasses.dataclass(eq=False)
-class _Call:
-    id: int
-    request: bytes  # the JSON line
-    future: concurrent.futures.Future
-    submitted: float = dataclasses.field(default_factory=time.monotonic)
-    deadline: float = 0.0  # set when a worker takes it
-    started: float = 0.0  # wall clock, when a worker took it
-
-
-@dataclasses.dataclass(eq=False)
-class _Worker:
-    proc: subprocess.Popen
-    stderr: IO[bytes]
-    ready: bool = False
-    hello_deadline: float = 0.0
-    buffer: bytes = b""
-    calls: dict[int, _Call] = dataclasses.field(default_factory=dict)
-    cancelling: dict[int, float] = dataclasses.field(default_factory=dict)  # call id -> kill deadline
-
-    @property
-    def fd(self) -> int:
-        assert self.proc.stdout is not None
-        return self.proc.stdout.fileno()
-
-
 class GuardedPool:
     """One user function in child processes; see the module docstring.
 
@@ -123,18 +93,23 @@ class GuardedPool:
         self.extra_paths = list(extra_paths)
         self._cwd = os.getcwd()  # a restart after a chdir must import the same module
         self._ids = itertools.count()
-        self._workers: list[_Worker] = []
-        self._queue: collections.deque[_Call] = collections.deque()
-        self._incoming: collections.deque[_Call] = collections.deque()  # from callers' threads
+        self._workers: list[Worker] = []
+        self._queue: collections.deque[Call] = collections.deque()
+        self._incoming: collections.deque[Call] = collections.deque()  # from callers' threads
         self._lock = threading.Lock()
         self._closed = False
-        self._restart_error: str | None = None
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        first, hello = self._start_blocking()  # import errors surface now, as a GuardedError
+        first = Worker.spawn(spec, self.extra_paths, self._cwd)  # on this thread: import errors surface now
+        hello = first.read_hello(HELLO_TIMEOUT_S)
+        if hello is None or not hello.get("ready"):
+            error = (hello or {}).get("error") or first.stderr_tail() or "the worker exited without a word"
+            first.kill(gently=False)
+            raise GuardedError(f"{spec} could not be loaded: {error}")
+        first.ready = True
         self.params: tuple[str, ...] = tuple(hello["params"])
         self.required: tuple[str, ...] = tuple(hello["required"])
         self.var_kw: bool = bool(hello["var_kw"])
@@ -169,7 +144,7 @@ class GuardedPool:
             if self._closed:
                 future.set_result(Outcome(message="the pool is closed"))
                 return future
-            self._incoming.append(_Call(call_id, request, future))
+            self._incoming.append(Call(call_id, request, future))
         self._wake()
         return future
 
@@ -258,7 +233,7 @@ class GuardedPool:
             self._queue.popleft()
             self._send(worker, call)
 
-    def _free_worker(self) -> _Worker | None:
+    def _free_worker(self) -> Worker | None:
         # A worker with a cancellation pending may be blocked: new calls wait for its answer (or its end).
         per_worker = self.size if self.is_async else 1
         return next((w for w in self._workers if w.ready and not w.cancelling and len(w.calls) < per_worker), None)
@@ -268,7 +243,7 @@ class GuardedPool:
         return 1 if self.is_async else self.size
 
     @staticmethod
-    def _overdue(call: _Call) -> bool:
+    def _overdue(call: Call) -> bool:
         return time.monotonic() - call.submitted >= GROW_AFTER_S
 
     def _grow(self) -> None:
@@ -279,7 +254,7 @@ class GuardedPool:
         waiting = len(self._queue) if not self._workers else sum(self._overdue(c) for c in self._queue)
         while len(self._workers) < self._limit and starting < waiting:
             try:
-                worker = self._spawn()
+                worker = Worker.spawn(self.spec, self.extra_paths, self._cwd)
             except OSError as exc:
                 self._fail_queue(f"could not start a worker: {exc}")
                 return
@@ -287,24 +262,19 @@ class GuardedPool:
             self._adopt(worker)
             starting += 1
 
-    def _send(self, worker: _Worker, call: _Call) -> None:
+    def _send(self, worker: Worker, call: Call) -> None:
         call.deadline = time.monotonic() + self.timeout_s
         call.started = time.time()
         worker.calls[call.id] = call
-        if not self._write(worker, call.request):
+        if not worker.write(call.request):
             self._died(worker)
 
-    def _read(self, worker: _Worker) -> None:
-        try:
-            chunk = os.read(worker.fd, READ_CHUNK)
-        except OSError:
-            chunk = b""
-        if not chunk:
+    def _read(self, worker: Worker) -> None:
+        if not worker.read():
             self._died(worker)
             return
-        worker.buffer += chunk
         while b"\n" in worker.buffer:
-            message = self._take_line(worker)
+            message = worker.take_line()
             if message is None:  # a garbled line: the worker cannot be trusted any more
                 self._died(worker)
                 return
@@ -313,18 +283,16 @@ class GuardedPool:
             else:
                 self._hello(worker, message)
 
-    def _hello(self, worker: _Worker, hello: dict[str, Any]) -> None:
+    def _hello(self, worker: Worker, hello: dict[str, Any]) -> None:
         if hello.get("ready"):
             worker.ready = True
-            self._restart_error = None
             return
-        error = hello.get("error") or self._stderr_tail(worker) or "the worker exited without a word"
+        error = hello.get("error") or worker.stderr_tail() or "the worker exited without a word"
         self._end(worker, f"could not restart: {self.spec} could not be loaded: {error}")
-        self._restart_error = error
         if not any(w.ready for w in self._workers):
             self._fail_queue(f"could not restart: {self.spec} could not be loaded: {error}")
 
-    def _answer(self, worker: _Worker, reply: dict[str, Any]) -> None:
+    def _answer(self, worker: Worker, reply: dict[str, Any]) -> None:
         call_id = int(reply.get("id", -1))
         if reply.get("cancelled"):
             worker.cancelling.pop(call_id, None)
@@ -357,81 +325,24 @@ class GuardedPool:
                                            wait_s=now - call.submitted))
                 if self.is_async:
                     worker.cancelling[call.id] = now + CANCEL_GRACE_S
-                    self._write(worker, json.dumps({"cancel": call.id}).encode() + b"\n")
+                    worker.write(json.dumps({"cancel": call.id}).encode() + b"\n")
                 else:
                     self._end(worker, "")  # it held only this call
 
     # ---- processes
-    def _spawn(self) -> _Worker:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in [self._cwd, env.get("PYTHONPATH", "")] if p)
-        stderr = tempfile.TemporaryFile()  # a file, not a pipe: a chatty function never blocks on it
-        proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", WORKER_MODULE, self.spec, *self.extra_paths],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=self._cwd,
-            start_new_session=True,  # its own process group, so a kill also ends what it spawned
-        )
-        return _Worker(proc, stderr)
-
-    def _start_blocking(self) -> tuple[_Worker, dict[str, Any]]:
-        """The first worker, started on the caller's thread: its hello says what the function is."""
-        worker = self._spawn()
-        deadline = time.monotonic() + HELLO_TIMEOUT_S
-        hello: dict[str, Any] | None = None
-        with selectors.DefaultSelector() as sel:
-            sel.register(worker.fd, selectors.EVENT_READ)
-            while b"\n" not in worker.buffer:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    break
-                chunk = os.read(worker.fd, READ_CHUNK)
-                if not chunk:
-                    break
-                worker.buffer += chunk
-        if b"\n" in worker.buffer:
-            hello = self._take_line(worker)
-        if hello is None or not hello.get("ready"):
-            error = (hello or {}).get("error") or self._stderr_tail(worker) or "the worker exited without a word"
-            self._kill(worker, gently=False)
-            raise GuardedError(f"{self.spec} could not be loaded: {error}")
-        worker.ready = True
-        return worker, hello
-
-    @staticmethod
-    def _take_line(worker: _Worker) -> dict[str, Any] | None:
-        """The first whole line of the worker's output, parsed (None: not JSON)."""
-        line, worker.buffer = worker.buffer.split(b"\n", 1)
-        try:
-            message = json.loads(line)
-        except ValueError:
-            return None
-        return message if isinstance(message, dict) else None
-
-    def _adopt(self, worker: _Worker) -> None:
+    def _adopt(self, worker: Worker) -> None:
         self._workers.append(worker)
         self._selector.register(worker.fd, selectors.EVENT_READ, worker)
 
-    def _write(self, worker: _Worker, line: bytes) -> bool:
-        assert worker.proc.stdin is not None
-        try:
-            worker.proc.stdin.write(line)
-            worker.proc.stdin.flush()
-            return True
-        except (OSError, ValueError):  # a broken pipe: the child is gone
-            return False
-
-    def _died(self, worker: _Worker) -> None:
+    def _died(self, worker: Worker) -> None:
         """The child ended (os._exit, a crash, out of memory): say how to each of its calls."""
-        try:
-            code: int | None = worker.proc.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            code = None
+        code = worker.exit_code(wait_s=1.0)
         if not worker.ready:
             self._hello(worker, {"ready": False})
             return
-        self._end(worker, f"worker died (exit code {code}): {self._stderr_tail(worker) or 'no output'}")
+        self._end(worker, f"worker died (exit code {code}): {worker.stderr_tail() or 'no output'}")
 
-    def _end(self, worker: _Worker, message: str, gently: bool = False) -> None:
+    def _end(self, worker: Worker, message: str, gently: bool = False) -> None:
         """Kill a worker; its unanswered calls get `message`."""
         if worker in self._workers:
             self._workers.remove(worker)
@@ -439,43 +350,11 @@ class GuardedPool:
                 self._selector.unregister(worker.fd)
             except (KeyError, ValueError):
                 pass
-        self._kill(worker, gently)
+        worker.kill(gently)
         for call in worker.calls.values():
             self._settle(call, Outcome(message=message, started=call.started, ended=time.time(),
                                        wait_s=time.monotonic() - call.submitted))
         worker.calls.clear()
-
-    def _kill(self, worker: _Worker, gently: bool) -> None:
-        proc = worker.proc
-        if proc.poll() is None:
-            self._signal(proc, signal.SIGTERM if gently else signal.SIGKILL)
-            try:
-                proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                self._signal(proc, signal.SIGKILL)
-                proc.wait()
-        for stream in (proc.stdin, proc.stdout, worker.stderr):
-            try:
-                if stream is not None:
-                    stream.close()
-            except OSError:
-                pass
-
-    @staticmethod
-    def _signal(proc: subprocess.Popen, sig: int) -> None:
-        try:
-            os.killpg(proc.pid, sig)  # the child leads its own group (start_new_session)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    @staticmethod
-    def _stderr_tail(worker: _Worker) -> str:
-        try:
-            worker.stderr.seek(0, os.SEEK_END)
-            worker.stderr.seek(max(0, worker.stderr.tell() - STDERR_TAIL_CHARS))
-            return worker.stderr.read().decode(errors="replace").strip()
-        except (OSError, ValueError):
-            return ""
 
     # ---- small helpers
     def _fail_queue(self, message: str) -> None:
@@ -484,7 +363,7 @@ class GuardedPool:
             self._settle(self._queue.popleft(), Outcome(message=message, unavailable=True))
 
     @staticmethod
-    def _settle(call: _Call, outcome: Outcome) -> None:
+    def _settle(call: Call, outcome: Outcome) -> None:
         if not call.future.done():
             try:
                 call.future.set_result(outcome)
@@ -499,7 +378,7 @@ class GuardedPool:
 
     def _drain_wake(self) -> None:
         try:
-            while os.read(self._wake_r, READ_CHUNK):
+            while os.read(self._wake_r, WAKE_CHUNK):
                 pass
         except (BlockingIOError, OSError):
             pass
