@@ -24,6 +24,15 @@ EVAL_EXAMPLES = 3  # examples an evaluation keeps for display
 
 
 @dataclass
+class FunctionCounts:
+    """One reward function's completions scored, how many of them failed, and its first error."""
+
+    scored: int = 0
+    failed: int = 0
+    first_error: str | None = None
+
+
+@dataclass
 class RewardStats:
     """Counters a reward function (or an environment) accumulates; they end up in the metrics."""
 
@@ -33,8 +42,7 @@ class RewardStats:
     first_error: str | None = None
     last_error: str | None = None
 
-    # per reward function: [completions scored, of which failed, its first error]
-    functions: dict[str, list] = field(default_factory=dict)
+    functions: dict[str, "FunctionCounts"] = field(default_factory=dict)  # per reward function
 
     def record_error(self, message: str) -> None:
         self.errors += 1
@@ -43,18 +51,17 @@ class RewardStats:
             self.first_error = message
 
     def count_function(self, name: str, scored: int, errors: list[str]) -> None:
-        counts = self.functions.setdefault(name, [0, 0, None])
-        counts[0] += scored
-        counts[1] += len(errors)
-        if errors and counts[2] is None:
-            counts[2] = errors[0]
+        counts = self.functions.setdefault(name, FunctionCounts())
+        counts.scored += scored
+        counts.failed += len(errors)
+        if errors and counts.first_error is None:
+            counts.first_error = errors[0]
 
     def never_worked(self) -> str | None:
         """Why no call has worked yet (every one failed, overall or of one function), or None."""
         if self.calls and self.errors >= self.calls:
             return str(self.first_error)
-        return next((str(first) for scored, failed, first in self.functions.values() if scored and failed >= scored),
-                    None)
+        return next((str(c.first_error) for c in self.functions.values() if c.scored and c.failed >= c.scored), None)
 
 
 @dataclass(frozen=True)

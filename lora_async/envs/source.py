@@ -26,7 +26,7 @@ from ..outcomes import EpisodeStats, Outcome
 from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext
 from ..config import auto_workers
 from ..rewards import Batch, Rewards, make_rewards
-from ..timing import NO_WAITS, Wait, Waits
+from ..timing import NO_WAITS, Waits
 from .api import Split, check_env
 from .episode import Episode, EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, guarded
 from .render import ChatRenderer
@@ -213,11 +213,7 @@ class EnvSource:
         batch = Batch(users[-1] if users else "", str(trajectory.info.get("answer", "")),
                       [replies[-1] if replies else ""], [[i for i, t in zip(trajectory.ids, trajectory.trained) if t]],
                       fields)
-        with waits.waiting(Wait.REWARD):
-            scores = await reward.score(batch)
-        for call in scores.calls:
-            waits.record(Wait.REWARD, call.wait_s)
-        return scores.rewards[0]
+        return (await reward.score(batch, waits)).rewards[0]
 
     def close(self) -> None:
         toolbox, reward = getattr(self, "toolbox", None), getattr(self, "reward", None)  # a part-built source too

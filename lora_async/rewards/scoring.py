@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..rollout import RewardStats
+from ..timing import NO_WAITS, Wait, Waits
 from .functions import Batch, Call, FunctionScores, RewardFunction, make_function
 
 
@@ -61,13 +62,18 @@ class Rewards:
             lines.append("weights " + ", ".join(f"{f.name} {w:g}" for f, w in zip(self.functions, self.weights)))
         return "; ".join(lines)
 
-    async def score(self, batch: Batch) -> Scores:
+    async def score(self, batch: Batch, waits: Waits = NO_WAITS) -> Scores:
+        """Score one group; `waits` (a rollout's) is told the group waits on rewards, and each
+        call's wait."""
         began = time.monotonic()
-        results: list[FunctionScores] = await asyncio.gather(*(f.score(batch) for f in self.functions))
+        with waits.waiting(Wait.REWARD):
+            results: list[FunctionScores] = await asyncio.gather(*(f.score(batch) for f in self.functions))
         scores = Scores([0.0] * len(batch.completions), {}, wait_s=time.monotonic() - began)
         for fn, weight, result in zip(self.functions, self.weights, results):
             scores.parts[fn.name] = result.values
             scores.calls += result.calls
+            for call in result.calls:
+                waits.record(Wait.REWARD, call.wait_s)
             self.stats.timeouts += result.timeouts
             self.stats.count_function(fn.name, len(result.values), [e for e in result.errors if e])
             for i, value in enumerate(result.values):

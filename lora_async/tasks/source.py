@@ -16,7 +16,6 @@ from ..buffer import Group, TrainSample, group_advantages
 from ..config import SamplingConfig
 from ..generator.types import GenRequest
 from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext
-from ..timing import Wait
 from .problems import Task, render_prompt
 
 GREEDY = 0.0  # vLLM treats temperature 0 as greedy decoding
@@ -49,10 +48,7 @@ class SingleTurnSource:
         if not result.ok or result.version is None:
             return GroupRollout.failed(result)
         texts = ctx.tokenizer.batch_decode([s.token_ids for s in result.samples], skip_special_tokens=True)
-        with ctx.waits.waiting(Wait.REWARD):
-            scores = await task.rewards.score(problem.batch(texts, [s.token_ids for s in result.samples]))
-        for call in scores.calls:
-            ctx.waits.record(Wait.REWARD, call.wait_s)
+        scores = await task.rewards.score(problem.batch(texts, [s.token_ids for s in result.samples]), ctx.waits)
         rewards = scores.rewards
         samples = [TrainSample(self.adapter, result.version, prompt_ids, s.token_ids, s.logprobs, r, a, s.finish_reason)
                    for s, r, a in zip(result.samples, rewards, group_advantages(rewards))]
