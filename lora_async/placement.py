@@ -186,14 +186,15 @@ def resolve(
 def place_run(config: "TrainConfig") -> tuple[Placement, list[Placement]]:
     """The generator's placement and one per learner rank, from the config alone (no model is
     loaded), so `lora-async train` rejects a placement this machine cannot give in seconds.
-    Raises `PlacementError`."""
+    `auto` cores are split only for a run pinned async: an auto run starts on shared cores and
+    splits them if it turns async (`split_placements`). Raises `PlacementError`."""
     gen, learner = config.local_engine, config.learner
     if gen is None:  # servers or Ray replicas: only the learner is placed
         generator, rank0 = resolve(None, None, learner.device, learner.cpus, concurrent=False,
                                    learner_devices=learner.devices)
     else:  # `auto` splits the cores only when generation and training run concurrently
         generator, rank0 = resolve(gen.device, gen.cpus, learner.device, learner.cpus,
-                                   concurrent=not config.buffer.window.synchronous, learner_devices=learner.devices)
+                                   concurrent=config.buffer.concurrent_from_start, learner_devices=learner.devices)
     return generator, rank_placements(learner.devices, rank0)
 
 
@@ -209,3 +210,31 @@ def pin_current_thread(placement: Placement) -> None:
     # vLLM's CPU worker replaces `torch.set_num_threads` with a no-op once it has bound its
     # threads; the C entry point still sets this thread's OpenMP team size.
     torch._C.set_num_threads(placement.threads)
+
+
+def shares_compute(config: "TrainConfig") -> bool:
+    """The generator and the learner compute on the same device (both on this CPU, or one GPU):
+    where `buffer.mode = "auto"` measures before it chooses. Remote generators do not share."""
+    gen = config.local_engine
+    if gen is None:
+        return False
+    try:
+        generator, ranks = place_run(config)
+    except PlacementError:
+        return True  # the run fails on this placement anyway, with its own message
+    return any(rank.device == generator.device for rank in ranks)
+
+
+def split_placements(config: "TrainConfig") -> tuple[Placement, Placement] | None:
+    """(generator, learner) with the shared cores split between them, for an auto run that turns
+    async; None where the run cannot re-pin (an engine in its own process, several learner
+    ranks, cores set by hand, a GPU) or there is nothing to split (one core)."""
+    gen, learner = config.local_engine, config.learner
+    if gen is None or gen.engine_home != "same" or (learner.devices and len(learner.devices) > 1):
+        return None
+    if gen.cpus != "auto" or learner.cpus != "auto" or len(available_cpus()) < 2:
+        return None
+    generator, rank0 = resolve(gen.device, gen.cpus, learner.device, learner.cpus, concurrent=True)
+    if generator.device != "cpu" or rank0.device != "cpu":
+        return None
+    return generator, rank0

@@ -67,13 +67,16 @@ class RewardStats:
 @dataclass(frozen=True)
 class RolloutContext:
     """What a source is given per training group: the run's generator and tokenizer, the tag
-    its requests carry (what a learner step's `abort_older` stops), and where its reward, tool
-    and environment waits are recorded (`timing.Waits`; the default records nothing)."""
+    its requests carry (what a learner step's `abort_older` stops), where its reward, tool
+    and environment waits are recorded (`timing.Waits`; the default records nothing), and
+    whether a generation that a learner step stops is continued on the newest version
+    (`partial`: the run's `buffer.partial_rollouts` while it trains asynchronously)."""
 
     generate: Generate
     tokenizer: Any
     tag: object = None
     waits: Waits = NO_WAITS
+    partial: bool = False
 
 
 @dataclass

@@ -39,7 +39,7 @@ def fleet_config(tiny_model: Path, max_staleness: int = 1):
     return TrainConfig.model_validate({
         "model": {"name": str(tiny_model)},
         "generator": {"kv_cache_gb": 0.25, "max_model_len": 512, "max_batched_tokens": 384},
-        "buffer": {"max_staleness": max_staleness},
+        "buffer": {"mode": "async" if max_staleness else "sync", "max_staleness": max_staleness},
         "adapters": [{"name": name, "task": {"type": "arithmetic"}} for name in ("a", "b", "c")]})
 
 

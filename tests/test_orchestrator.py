@@ -53,7 +53,7 @@ def steps(cfg: TrainConfig) -> list[dict]:
 
 @pytest.mark.parametrize("staleness", [0, 1, 2])
 def test_admission_keeps_every_sample_within_max_staleness(tmp_path, staleness):
-    cfg = config(tmp_path, buffer={"max_staleness": staleness})
+    cfg = config(tmp_path, buffer={"mode": "async" if staleness else "sync", "max_staleness": staleness})
     parts = FakeParts(["main"], gen_delay=lambda: 0.02, step_s=0.15)
     summary = run(cfg, parts)
     trained = parts.fake_learner.trained
@@ -80,7 +80,7 @@ def test_a_slow_hand_off_does_not_make_producers_start_doomed_groups(tmp_path, s
     # Each hand-off takes 0.3 s: groups started meanwhile would be sampled on a version the learner
     # has already left, and be dropped or aborted as stale. Admission counts the pending version
     # (without it, ~250 groups were thrown away here for the 16 trained).
-    cfg = config(tmp_path, buffer={"max_staleness": staleness})
+    cfg = config(tmp_path, buffer={"mode": "async" if staleness else "sync", "max_staleness": staleness})
     summary = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.02, step_s=0.15, publish_s=0.3))
     assert summary["steps"] == 8
     last = steps(cfg)[-1]
@@ -93,7 +93,7 @@ def test_a_slow_hand_off_does_not_make_producers_start_doomed_groups(tmp_path, s
 def test_rollouts_a_step_makes_too_stale_are_aborted(tmp_path):
     """A long-tailed generation: 1 request in 4 takes 3 s while steps take 0.1 s."""
     rng = random.Random(1)
-    cfg = config(tmp_path, buffer={"max_staleness": 1}, run={"max_steps": 10})
+    cfg = config(tmp_path, buffer={"mode": "async", "max_staleness": 1, "partial_rollouts": False}, run={"max_steps": 10})
     parts = FakeParts(["main"], gen_delay=lambda: 3.0 if rng.random() < 0.25 else 0.01, step_s=0.1)
     summary = run(cfg, parts)
     aborted = parts.fake_generator.aborted
@@ -296,7 +296,7 @@ def test_a_fleet_shares_generation_by_weight(tmp_path):
     cfg = TrainConfig.model_validate({
         "adapters": [{"name": "heavy", "weight": 2.0, "task": task}, {"name": "light", "weight": 1.0, "task": task}],
         "sampling": {"samples_per_prompt": 4, "max_new_tokens": 8}, "generator": {"groups_in_flight": 6},
-        "learner": {"groups_per_step": 2}, "buffer": {"max_staleness": 8},
+        "learner": {"groups_per_step": 2}, "buffer": {"mode": "async", "max_staleness": 8},
         "run": {"max_steps": 1000, "time_budget_s": 2.0, "output_dir": str(tmp_path / "out"), "progress": False,
                 "canary_every": 0, "chart_every": 0}})
     seen: dict = {}
@@ -329,7 +329,7 @@ def test_every_step_and_the_summary_say_where_the_time_went(tmp_path, staleness)
     """Structure and consistency, not speed: each step's generator compute and idle time make its
     interval, the idle causes make the idle time; the run's totals likewise, and the learner's
     compute, wait and rest make the training time."""
-    cfg = config(tmp_path, buffer={"max_staleness": staleness})
+    cfg = config(tmp_path, buffer={"mode": "async" if staleness else "sync", "max_staleness": staleness})
     summary = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.02, step_s=0.15))
     rows = steps(cfg)
     assert len(rows) == 8

@@ -23,7 +23,8 @@ from .sections import (
     ADAPTER_NAME_RE, CPU_LIST_RE, AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, LossConfig, ModelConfig,
     RunConfig, SamplingConfig, Section,
 )
-from .tasks import AUTO_WORKERS_CAP, ArithmeticTask, EnvTask, FleetAdapter, JsonlTask, TaskConfig, auto_workers
+from .tasks import (AUTO_WORKERS_CAP, ArithmeticTask, EnvTask, FleetAdapter, JsonlTask, TaskConfig, ToolLatency,
+                    auto_workers)
 from .train import VLLM_LORA_RANKS, AdapterSpec, TrainConfig, vllm_rank
 
 __all__ = [
@@ -32,7 +33,7 @@ __all__ = [
     "FleetAdapter", "GeneratorBase", "GeneratorConfig", "HttpSync", "InprocSync", "JsonlTask", "LearnerConfig",
     "LoraConfig", "LossConfig", "ModelConfig", "NcclSync", "RunConfig", "SamplingConfig", "Section",
     "RayConfig", "RayGeneratorConfig", "RaySync", "ServerGeneratorConfig", "ShmSync", "SyncBase", "SyncConfig", "TaskConfig", "TrainConfig",
-    "VllmGeneratorConfig",
+    "ToolLatency", "VllmGeneratorConfig",
     "apply_overrides", "check_migrations", "dump_config", "format_validation_error", "load_config",
     "parse_override", "vllm_rank", "AUTO_WORKERS_CAP", "auto_workers",
 ]

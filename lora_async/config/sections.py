@@ -138,12 +138,17 @@ class LearnerConfig(Section):
 
 
 class BufferConfig(Section):
+    mode: Literal["auto", "async", "sync"] = Field(
+        "auto", description="'auto': the first steps run synchronously and measure where the time goes, then the "
+                            "run stays sync or turns async (see lora_async/mode.py); 'async' or 'sync' pins it.",
+    )
     max_tokens: int = Field(
         262_144, ge=64, le=1_000_000_000, description="Token bound of the rollout buffer."
     )
     max_staleness: int = Field(
         1, ge=0, le=64,
-        description="Max versions a sample may lag the learner (0 = synchronous training).",
+        description="Max versions a sample may lag the learner in async training (auto chooses up to this; "
+                    "0 = synchronous training whatever the mode).",
     )
     stale_policy: Literal["drop", "is-correct"] = Field(
         "drop", description="What happens to samples older than max_staleness (counted on the oldest trained token)."
@@ -155,8 +160,16 @@ class BufferConfig(Section):
 
     @property
     def window(self) -> StalenessWindow:
-        """The one staleness rule every part of a run asks (`lora_async.staleness`)."""
-        return StalenessWindow(self.max_staleness)
+        """The widest staleness window the run may train with (`lora_async.staleness`): what the
+        engine's LoRA slots are sized for. A sync run's is 0; an auto run starts at 0 and may
+        widen to this once it has measured (`Run.window` is the one in force)."""
+        return StalenessWindow(0 if self.mode == "sync" else self.max_staleness)
+
+    @property
+    def concurrent_from_start(self) -> bool:
+        """Generation and training overlap from the first step (pinned async): `auto` placement
+        then splits shared cores at once; an auto run starts sharing them."""
+        return self.mode == "async" and self.max_staleness > 0
 
 
 class LossConfig(Section):

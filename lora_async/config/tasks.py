@@ -102,6 +102,14 @@ class JsonlTask(RewardFields):
         return value
 
 
+class ToolLatency(Section):
+    """A simulated remote tool: each call waits a lognormal delay before it runs (benchmarks only)."""
+
+    median_s: float = Field(..., ge=0, le=3600, description="Median delay per tool call, in seconds.")
+    sigma: float = Field(1.0, ge=0, le=5, description="Spread of the lognormal (0 = always the median).")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the delays (each call draws the next one).")
+
+
 class EnvTask(RewardFields):
     type: Literal["env"] = Field("env", description="'env': multi-turn episodes of a user or builtin environment.")
     env: str = Field(..., pattern=SPEC_RE,
@@ -120,6 +128,9 @@ class EnvTask(RewardFields):
                                          f"{AUTO_WORKERS_CAP}).")
     system_prompt: str | None = Field(None, description="System message (None = the model's default; a system "
                                                         "message from the environment wins).")
+    tool_latency: ToolLatency | None = Field(
+        None, description="SIMULATION for benchmarks: add a lognormal delay to every tool call, as a remote sandbox "
+                          "or web API would ({median_s, sigma}); off by default.")
 
 
 TaskConfig = Annotated[Union[ArithmeticTask, JsonlTask, EnvTask], Field(discriminator="type")]

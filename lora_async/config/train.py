@@ -81,6 +81,7 @@ class TrainConfig(Section):
     def _cross_field(self) -> "TrainConfig":
         self._check_sync()
         self._check_ray()
+        self._check_mode()
         self._check_lengths()
         if self.adapters is not None:
             self._check_fleet(self.adapters)
@@ -94,6 +95,11 @@ class TrainConfig(Section):
             f"config has {ENGINE_HOME_TEXT[self.generator.engine_home]}; change one of the two, or leave out "
             "[sync] to pick the transport from the generator"
         )
+
+    def _check_mode(self) -> None:
+        if self.buffer.mode == "async" and self.buffer.max_staleness == 0:
+            raise ValueError("buffer.mode: 'async' needs buffer.max_staleness >= 1 (the lag async trains at); "
+                             "raise max_staleness, or set mode = 'sync'")
 
     def _check_ray(self) -> None:
         if self.ray != RayConfig() and self.generator.engine_home != "ray":

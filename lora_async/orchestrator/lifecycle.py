@@ -29,6 +29,7 @@ from ..sync.transports import Transport
 from ..tasks import make_source
 from ..timing import TimeBoard
 from .admission import Admission
+from .auto import start_mode, start_window
 from .periodic import checkpoint, evaluate_all, save_adapter
 from .rows import run_summary
 from .state import AdapterRun, Counters, Run, TrainingError
@@ -81,7 +82,7 @@ class LocalParts:
         learner = (ranks[0].describe() if len(ranks) == 1 else
                    f"{len(ranks)} data-parallel ranks ({'; '.join(r.describe() for r in ranks)})")
         lines = [f"model {config.model.name} ({self.model_dir}); adapters {', '.join(config.adapter_names)}",
-                 f"generator on {self.where}, learner on {learner}, max_staleness {config.buffer.max_staleness}"]
+                 f"generator on {self.where}, learner on {learner}"]
         quantization = config.model.quantization
         if quantization != "none":
             lines.append(f"learner base: {quantization} (bitsandbytes); the generator serves the unquantised base")
@@ -129,8 +130,11 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
     if parts is None:
         parts = await asyncio.to_thread(LocalParts, config, console, out_dir)
     console.print(parts.describe())
+    choice, mode_line = start_mode(config)
+    console.print(f"mode: {mode_line}", highlight=False)
+    window = start_window(choice)
     board = TimeBoard()  # the run's: each adapter's waits report to it
-    adapters = {spec.name: AdapterRun(spec, make_source(spec, config, config.run.seed), Admission(config.buffer.window),
+    adapters = {spec.name: AdapterRun(spec, make_source(spec, config, config.run.seed), Admission(window),
                                       waits=board.waits())
                 for spec in config.adapter_specs}
     for adapter in adapters.values():
@@ -161,9 +165,9 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
         raise
     run = Run(config=config, out_dir=out_dir, console=console, adapters=adapters, tokenizer=tokenizer,
               generator=generator, transport=transport, learner=learner, learner_pool=pool,
-              buffer=RolloutBuffer(config.buffer.max_tokens, config.buffer.window, config.buffer.stale_policy),
+              buffer=RolloutBuffer(config.buffer.max_tokens, window, config.buffer.stale_policy),
               store=AdapterStore(out_dir), metrics=MetricsWriter(out_dir, list(adapters), config.run, console),
-              board=board)
+              window=window, choice=choice, board=board)
     if state is not None:
         restore(run, state)
     for adapter in adapters.values():

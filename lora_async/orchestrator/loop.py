@@ -8,8 +8,9 @@
 Threads: the asyncio loop (this package), the generator's engine thread, the learner thread.
 Every adapter of a fleet has its own producers, batch collector, optimizer, version counter
 and step count; the learner holds the base once and steps whichever adapter's batch is ready
-first. Synchronous training is this same loop with `buffer.max_staleness = 0`: admission then
-lets producers start only while the learner waits for data.
+first. Synchronous training is this same loop with a staleness window of 0 (`Run.window`):
+admission then lets producers start only while the learner waits for data. An auto run starts
+so, and after its first steps may widen the window (`auto.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rich.console import Console
 
 from ..buffer import Group
 from ..config import TrainConfig
+from .auto import observe
 from .batches import start_collectors
 from .lifecycle import Parts, finish_run, install_stop_signals, setup_run, stop_workers
 from .periodic import after_step, evaluate_all, save_snapshot
@@ -100,7 +102,7 @@ async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None
         return
     # Groups still generating on versions this step makes too old could only be dropped as
     # stale: stop them now, so the engine (and, on shared cores, the learner) gets the time.
-    oldest_useful = run.config.buffer.window.oldest(run.learner.version(adapter.name) + 1)
+    oldest_useful = run.window.oldest(run.learner.version(adapter.name) + 1)
     run.generator.abort_older(adapter.name, oldest_useful, ROLLOUT_TAG)
     adapter.admission.step_began()
     stats = await run.in_learner(run.learner.train_step, adapter.name, samples_of(groups))
@@ -113,6 +115,7 @@ async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None
     run.learner_clock.trained(stats.seconds)
     ended = run.marks(adapter)  # this step's row ends where the next one's begins
     row = step_row(run, adapter, groups, stats, ended)
+    await observe(run, row)  # an auto run's first steps measure, then it picks sync or async
     adapter.last_reward = row["reward_mean"]
     adapter.marks = ended
     if version is not None and snapshot_due(run, adapter):

@@ -41,12 +41,13 @@ def start_producers(run: Run) -> list[asyncio.Task]:
 async def produce(run: Run, adapter: AdapterRun) -> None:
     """One producer of one adapter. An unexpected error fails the run (a silently dead producer
     would hang it)."""
-    ctx = RolloutContext(run.generate, run.tokenizer, ROLLOUT_TAG, adapter.waits)
     try:
         while run.running:
             await admitted(run, adapter)
             if not run.running:
                 return
+            # partial rollouts follow the mode in force (an auto run may turn async mid-run)
+            ctx = RolloutContext(run.generate, run.tokenizer, ROLLOUT_TAG, adapter.waits, run.partial_rollouts)
             index = adapter.next_problem
             adapter.next_problem += 1
             adapter.admission.group_started()

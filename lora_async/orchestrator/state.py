@@ -24,8 +24,10 @@ from rich.console import Console
 from ..buffer import Group, RolloutBuffer, TrainSample
 from ..generator.types import GenRequest, GenResult, Generator, GeneratorStats, generate_async
 from ..learner.api import LearnerAPI
+from ..mode import Choice
 from ..outcomes import EpisodeStats
 from ..rollout import RolloutSource
+from ..staleness import StalenessWindow
 from ..timing import IdleSplit, LearnerClock, TimeBoard, Waits
 from .admission import Admission
 
@@ -141,6 +143,9 @@ class Run:
     buffer: RolloutBuffer
     store: "AdapterStore"
     metrics: "MetricsWriter"
+    window: StalenessWindow  # the staleness window in force (`auto.apply_choice` changes it)
+    choice: Choice | None = None  # sync or async, and why (None: an auto run still measuring)
+    probe_rows: list[dict[str, Any]] = field(default_factory=list)  # ... the step rows it measured
     global_step: int = 0
     wall_offset: float = 0.0
     started: float = field(default_factory=time.perf_counter)
@@ -186,6 +191,12 @@ class Run:
         """Stopping, or this adapter has done its max_steps."""
         self.check_limits()
         return not self.running or (adapter is not None and adapter.step >= self.config.run.max_steps)
+
+    @property
+    def partial_rollouts(self) -> bool:
+        """Generations a learner step stops are continued on the newest version (async only: in
+        sync nothing generates during a step)."""
+        return self.config.buffer.partial_rollouts and not self.window.synchronous
 
     # ---- helpers every part uses
     @property

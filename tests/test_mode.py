@@ -1,0 +1,130 @@
+"""Sync or async (`buffer.mode`): the choice from measured figures, and an auto run on fakes that
+turns async where its rewards wait and stays sync where nothing waits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from lora_async.config import ConfigError, TrainConfig, load_config
+from lora_async.metrics import read_metrics
+from lora_async.mode import PROBE_STEPS, Mode, SyncStep, async_step_s, choose, initial_choice
+from lora_async.orchestrator import train
+
+from .fakes import FakeParts
+
+SLOW_REWARD = """
+import time
+
+def reward(prompt, completion, answer):
+    time.sleep(0.4)  # a sandbox or a judge: the generator has nothing to do meanwhile
+    return float(completion.startswith("x"))
+"""
+
+
+# ---------------------------------------------------------------- the choice from figures
+
+
+def test_nothing_waits_on_shared_cores_stays_sync():
+    # the demo on 2 cores: generation 74% of a 9.5 s step, the learner 25%, no waits
+    demo = SyncStep(step_s=9.5, learner_s=2.4, gen_compute_s=7.0, wait_s=0.0)
+    choice = choose(demo, max_staleness=4, split=True)
+    assert choice.mode is Mode.SYNC and choice.staleness == 0
+    assert "waits 0%" in choice.reason and choice.predicted_async_s is not None
+
+
+def test_waiting_generator_turns_async_at_the_smallest_staleness_that_helps():
+    # tool waits are 71% of a sync step
+    tools = SyncStep(step_s=70.0, learner_s=15.0, gen_compute_s=5.0, wait_s=50.0)
+    choice = choose(tools, max_staleness=4, split=True)
+    assert choice.mode is Mode.ASYNC and choice.split
+    # staleness 1 leaves the generator the long pole ((6.5 + 50) / 2 > 25.5); 2 reaches the learner's bound
+    assert async_step_s(tools, 1, True) > async_step_s(tools, 2, True) == pytest.approx(15.0 * 1.7)
+    assert choice.staleness == 2
+    assert "waits 71%" in choice.reason
+    # capped by max_staleness
+    assert choose(tools, max_staleness=1, split=True).staleness == 1
+
+
+def test_the_margin_keeps_sync_when_async_is_barely_faster():
+    close = SyncStep(step_s=10.0, learner_s=5.0, gen_compute_s=4.5, wait_s=0.5)
+    assert 10.0 / 1.2 < async_step_s(close, 1, True) < 10.0
+    assert choose(close, max_staleness=2, split=True).mode is Mode.SYNC
+
+
+def test_pinned_and_own_device_choices_need_no_measurement():
+    assert initial_choice("sync", 2, shared=True, split=True).mode is Mode.SYNC  # type: ignore[union-attr]
+    assert initial_choice("auto", 0, shared=True, split=True).mode is Mode.SYNC  # type: ignore[union-attr]
+    pinned = initial_choice("async", 3, shared=True, split=True)
+    assert pinned is not None and pinned.mode is Mode.ASYNC and pinned.staleness == 3
+    own = initial_choice("auto", 2, shared=False, split=False)
+    assert own is not None and own.mode is Mode.ASYNC and "device of its own" in own.reason
+    assert initial_choice("auto", 2, shared=True, split=True) is None  # measures first
+
+
+def test_async_without_staleness_is_a_one_line_config_error(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[buffer]\nmode = "async"\nmax_staleness = 0\n')
+    with pytest.raises(ConfigError, match=r"buffer\.mode.*max_staleness >= 1"):
+        load_config(path)
+
+
+# ---------------------------------------------------------------- auto runs on fakes
+
+
+def config(tmp_path: Path, reward: str, **buffer) -> TrainConfig:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"item {i}", "answer": "-"}) for i in range(80)))
+    return TrainConfig.model_validate({
+        "sampling": {"samples_per_prompt": 4, "max_new_tokens": 8},
+        "generator": {"groups_in_flight": 8},
+        "learner": {"groups_per_step": 2},
+        "buffer": {"max_staleness": 2, **buffer},
+        "run": {"max_steps": 7, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 0,
+                "chart_every": 0},
+        "task": {"type": "jsonl", "path": str(data), "reward": reward, "heldout": 4, "reward_workers": 8},
+    })
+
+
+def run(cfg: TrainConfig, parts: FakeParts) -> tuple[dict, list[dict], list[dict]]:
+    summary = asyncio.run(train(cfg, console=Console(stderr=True, width=200), parts=parts))
+    rows = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")
+    return summary, [r for r in rows if "kind" not in r], [r for r in rows if r.get("kind") == "mode"]
+
+
+def test_auto_turns_async_when_rewards_wait(tmp_path, monkeypatch):
+    (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = config(tmp_path, "slow_reward:reward")
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1)
+    summary, steps, events = run(cfg, parts)
+    assert summary["mode"] == "async" and summary["mode_decided_at_step"] == PROBE_STEPS
+    assert summary["mode_staleness"] >= 1 and "waits" in summary["mode_reason"]
+    assert summary["mode_sync_wait_s"] > summary["mode_sync_learner_s"]
+    assert len(events) == 1 and events[0]["mode"] == "async"
+    # the probe steps trained on-policy; after the switch, generation ran ahead of the learner
+    lags = [r["policy_lag_max"] for r in steps]
+    assert lags[:PROBE_STEPS] == [0] * PROBE_STEPS
+    assert max(lags[PROBE_STEPS:]) >= 1
+    assert max(lags) <= summary["mode_staleness"]
+
+
+def test_auto_stays_sync_when_nothing_waits(tmp_path):
+    cfg = config(tmp_path, "regex:^x")
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1)
+    summary, steps, events = run(cfg, parts)
+    assert summary["mode"] == "sync" and "not 1.2x shorter" in summary["mode_reason"]
+    assert [e["mode"] for e in events] == ["sync"]
+    assert all(r["policy_lag_max"] == 0 for r in steps)
+
+
+def test_pinned_async_says_so_from_the_start(tmp_path):
+    cfg = config(tmp_path, "regex:^x", mode="async")
+    summary, steps, events = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1))
+    assert summary["mode"] == "async" and summary["mode_reason"] == "pinned by buffer.mode"
+    assert summary["mode_decided_at_step"] == 0 and events == []
