@@ -119,7 +119,7 @@ def config(tmp_path: Path, env: str = "fake_envs:make", **sections: dict) -> Tra
         "sampling": {"samples_per_prompt": 4, "max_new_tokens": 8},
         "generator": {"groups_in_flight": 4, "max_model_len": 512},
         "learner": {"groups_per_step": 2},
-        "buffer": {"max_staleness": 1},
+        "buffer": {"mode": "async", "max_staleness": 1},
         "run": {"max_steps": 6, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 0,
                 "chart_every": 0},
         "task": {"type": "env", "env": env, "max_turns": 4, "heldout": 4, "env_timeout_s": 1.0},
@@ -193,7 +193,7 @@ def test_partial_rollouts_continue_a_stale_turn_on_the_newest_version(tmp_path, 
     rng = random.Random(0)
     # The run lasts ~14 x 0.3 s, long enough for groups whose turns were stopped (a slow turn is
     # 1 s) to finish and be trained on before it ends.
-    cfg = config(tmp_path, buffer={"max_staleness": 1, "stale_policy": "is-correct"}, run={"max_steps": 14})
+    cfg = config(tmp_path, buffer={"mode": "async", "max_staleness": 1, "stale_policy": "is-correct"}, run={"max_steps": 14})
     parts = FakeParts(["main"], gen_delay=lambda: 1.0 if rng.random() < 0.3 else 0.02, step_s=0.25,
                       reply=numbered)
     summary = run(cfg, parts)
@@ -226,7 +226,7 @@ def test_partial_rollouts_continue_a_stale_turn_on_the_newest_version(tmp_path, 
 def test_without_partial_rollouts_a_stale_turn_drops_its_group(tmp_path, env_module):
     rng = random.Random(0)
     # as above: the run outlasts a slow turn, so the groups it aborts are counted before it ends
-    cfg = config(tmp_path, buffer={"max_staleness": 1, "partial_rollouts": False}, run={"max_steps": 14})
+    cfg = config(tmp_path, buffer={"mode": "async", "max_staleness": 1, "partial_rollouts": False}, run={"max_steps": 14})
     parts = FakeParts(["main"], gen_delay=lambda: 1.0 if rng.random() < 0.3 else 0.02, step_s=0.25,
                       reply=x_or_y)
     summary = run(cfg, parts)

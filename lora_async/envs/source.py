@@ -15,6 +15,7 @@ failure is one `EnvLoadError` line naming the config field (`task.env`), exit co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import os
 import sys
@@ -30,7 +31,7 @@ from ..timing import NO_WAITS, Waits
 from .api import Split, check_env
 from .episode import Episode, EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, guarded
 from .render import ChatRenderer
-from .tools import ToolBox, ToolError, tool_schemas
+from .tools import SimulatedLatency, ToolBox, ToolError, tool_schemas
 
 
 REWARD_FIELDS = ("prompt", "completion", "answer", "messages", "turns", "tool_calls", "env_reward")  # + info
@@ -87,7 +88,10 @@ class EnvSource:
             self.schemas = tool_schemas(self.tools)
         except (TypeError, ToolError) as exc:
             raise EnvLoadError(str(exc) if str(exc).startswith(where) else f"{where} = {config.env!r}: {exc}") from None
-        self.toolbox = (ToolBox(self.tools, config.tool_timeout_s, auto_workers(config.tool_workers, in_flight))
+        latency = config.tool_latency
+        self.toolbox = (ToolBox(self.tools, config.tool_timeout_s, auto_workers(config.tool_workers, in_flight),
+                                None if latency is None else SimulatedLatency(latency.median_s, latency.sigma,
+                                                                              latency.seed + seed))
                         if self.tools else None)
         self.reward: Rewards | None = None
         if config.reward is not None:
@@ -117,6 +121,10 @@ class EnvSource:
         tools = ", ".join(t.__name__ for t in self.tools) or "none"
         line = (f"environment {self.config.env} (tools: {tools}; up to {self.config.max_turns} turns, "
                 f"{len(self.heldout())} held out)")
+        if self.config.tool_latency is not None:
+            latency = self.config.tool_latency
+            line += (f"; SIMULATED tool latency: lognormal, median {latency.median_s:g}s, sigma {latency.sigma:g} "
+                     "(task.tool_latency)")
         if self.reward is not None:
             line += "; " + self.reward.describe(list(REWARD_FIELDS))
         return line
@@ -144,7 +152,8 @@ class EnvSource:
         """Play, score and package one group of episodes."""
         group_key = (self.adapter, index)  # its episodes share a replica where there are several
         # the episodes play at once: their environment, tool and reward calls overlap
-        played = await asyncio.gather(*(self.play(index, "train", ctx.tokenizer, self.settings, ctx.generate,
+        settings = self.settings if ctx.partial else dataclasses.replace(self.settings, partial=False)
+        played = await asyncio.gather(*(self.play(index, "train", ctx.tokenizer, settings, ctx.generate,
                                                   self.adapter, ctx.tag, group_key, ctx.waits)
                                         for _ in range(self.group_size)),
                                       return_exceptions=True)

@@ -10,7 +10,10 @@ argument) comes back to it as an error message, never as an exception in the tra
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import random
 import re
 import sys
 import threading
@@ -151,16 +154,34 @@ def strip_tool_calls(text: str) -> str:
     return BLOCK_RE.sub("", text).strip()
 
 
+class SimulatedLatency:
+    """A remote tool's round trip, simulated (`task.tool_latency`, for benchmarks): each call
+    waits a lognormal delay with this median and spread, drawn from a seeded stream. The wait is
+    an `asyncio.sleep`, so it holds no worker and no core, as a network wait would not."""
+
+    def __init__(self, median_s: float, sigma: float, seed: int = 0) -> None:
+        self.median_s, self.sigma = median_s, sigma
+        self._rng = random.Random(seed)
+
+    def draw(self) -> float:
+        if self.median_s <= 0:
+            return 0.0
+        return self._rng.lognormvariate(math.log(self.median_s), self.sigma)
+
+
 class ToolBox:
     """An environment's tools, each in its own `GuardedPool`; `run` turns every failure into text.
 
     `workers` is how many calls of one tool run at once: a plain tool in up to that many
     processes (started on demand), an `async def` tool as that many coroutines in one process.
-    A call past `timeout_s` is cut off alone; the others go on."""
+    A call past `timeout_s` is cut off alone; the others go on. With `latency` (a simulation),
+    every call first waits a drawn delay, outside the tool's time limit."""
 
-    def __init__(self, tools: list[Callable[..., Any]], timeout_s: float, workers: int = 2) -> None:
+    def __init__(self, tools: list[Callable[..., Any]], timeout_s: float, workers: int = 2,
+                 latency: SimulatedLatency | None = None) -> None:
         self.schemas = tool_schemas(tools)
         self.timeout_s = timeout_s
+        self.latency = latency
         self._pools: dict[str, GuardedPool] = {}
         try:
             for schema, fn in zip(self.schemas, tools):
@@ -185,6 +206,8 @@ class ToolBox:
         pool = self._pools.get(call.name)
         if pool is None:
             return self._count(call, f"error: unknown tool {call.name!r}; available: {', '.join(self.names)}")
+        if self.latency is not None:
+            await asyncio.sleep(self.latency.draw())
         try:
             outcome = await pool.acall(call.arguments, strict=True)  # a wrong argument is the model's mistake
         except Exception as exc:  # the pool answers every failure as an Outcome; this is a last guard
