@@ -197,7 +197,8 @@ def test_bench_reports_the_split_per_mode(tmp_path):
     assert sum(causes) == pytest.approx(s["gen_idle_share"])
     assert s["gen_idle_admission_share"] == pytest.approx(sum(0.1 * i for i in range(1, 5)) / 4)
     assert s["learner_compute_share"] == pytest.approx(0.6) and s["learner_wait_share"] == pytest.approx(0.3)
-    table = split_table({"async": s, "sync": {**s, "gen_idle_admission_share": None}, "budget_s": 10})
+    table = split_table({"modes": ["async", "sync"], "async": s, "sync": {**s, "gen_idle_admission_share": None},
+                         "budget_s": 10})
     lines = table.splitlines()
     assert lines[0] == "| time share | async | sync |"
     assert len(lines) == 2 + len(SPLIT_SHARES)
@@ -211,3 +212,22 @@ def test_every_step_key_of_the_split_is_listed_for_tensorboard():
     keys = {"step_s", "gen_compute_s", "gen_idle_s", "learner_s", "learner_wait_s",
             *(f"gen_idle_{c}_s" for c in IDLE_CAUSES)}
     assert keys <= set(STEP_KEYS)
+
+
+def test_bench_e2e_medians_and_ratios_over_seeds():
+    from lora_async.bench.e2e import medians, ratios
+
+    def seed(time, tokens):
+        return {"time_to_target_s": time, "trained_tokens_per_s": tokens, "gen_idle_frac": 0.1}
+
+    sync = medians([seed(100.0, 10.0), seed(120.0, 12.0)])
+    fast = medians([seed(50.0, 30.0), seed(70.0, 20.0)])
+    missed = medians([seed(40.0, 30.0), seed(None, 30.0)])  # one seed never reached the target
+    assert sync["time_to_target_s"] == 110.0 and sync["reached"] == "2/2"
+    assert missed["time_to_target_s"] is None and missed["reached"] == "1/2"
+    report = {"sync": sync, "async-partial": fast, "auto": fast, "async": missed}
+    r = ratios(report, ["sync", "async", "async-partial", "auto"])
+    assert r["async-partial_sooner_than_sync"] == pytest.approx(110 / 60)
+    assert r["async-partial_tokens_per_s_over_sync"] == pytest.approx(25 / 11)
+    assert r["async_sooner_than_sync"] is None
+    assert r["auto_time_over_best"] == pytest.approx(1.0)

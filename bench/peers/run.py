@@ -5,8 +5,8 @@ task that takes real training, several seeds per system, every clock read the sa
 
 Systems (`--runs`, each run once per seed, one after another on this machine):
 
-    async            `lora-async train CONFIG`, buffer.max_staleness = 1
-    sync             the same with buffer.max_staleness = 0
+    async            `lora-async train CONFIG`, buffer.mode = "async", max_staleness = 1
+    sync             the same with buffer.mode = "sync"
     trl              TRL `GRPOTrainer` + a peft LoRA of the same shape (trl_child.py)
     and the variants in VARIANTS (loss, staleness, filtering, placement), for the ablations.
 
@@ -52,21 +52,21 @@ REPO = HERE.parents[1]
 # system name -> ("lora-async" | "trl", config overrides[, GRPOConfig overrides]). The ablations
 # change one thing each against `async` (or `trl`).
 VARIANTS = MappingProxyType({
-    "async": ("lora-async", ("buffer.max_staleness=1",)),
-    "sync": ("lora-async", ("buffer.max_staleness=0",)),
+    "async": ("lora-async", ("buffer.mode=\"async\"", "buffer.max_staleness=1",)),
+    "sync": ("lora-async", ("buffer.mode=\"sync\"", "buffer.max_staleness=0",)),
     "trl": ("trl", ()),
     "trl-paged": ("trl", (), ("use_transformers_paged=true",)),
     "trl-no-checkpointing": ("trl", (), ("gradient_checkpointing=false",)),
-    "async-nofilter": ("lora-async", ("buffer.max_staleness=1", "learner.skip_flat_groups=false")),
-    "sync-nofilter": ("lora-async", ("buffer.max_staleness=0", "learner.skip_flat_groups=false")),
-    "async-filter": ("lora-async", ("buffer.max_staleness=1", "learner.skip_flat_groups=true")),
-    "sync-filter": ("lora-async", ("buffer.max_staleness=0", "learner.skip_flat_groups=true")),
-    "async-ppo-clip": ("lora-async", ("buffer.max_staleness=1", 'loss.type="ppo-clip"')),
-    "async-tis": ("lora-async", ("buffer.max_staleness=1", 'loss.type="tis"')),
-    "async-decoupled": ("lora-async", ("buffer.max_staleness=1", 'loss.type="decoupled"')),
-    "async-stale2": ("lora-async", ("buffer.max_staleness=2",)),
-    "async-shared": ("lora-async", ("buffer.max_staleness=1", 'generator.cpus="0-1"', 'learner.cpus="0-1"')),
-    "async-nofilter-b256": ("lora-async", ("buffer.max_staleness=1", "learner.skip_flat_groups=false",
+    "async-nofilter": ("lora-async", ("buffer.mode=\"async\"", "buffer.max_staleness=1", "learner.skip_flat_groups=false")),
+    "sync-nofilter": ("lora-async", ("buffer.mode=\"sync\"", "buffer.max_staleness=0", "learner.skip_flat_groups=false")),
+    "async-filter": ("lora-async", ("buffer.mode=\"async\"", "buffer.max_staleness=1", "learner.skip_flat_groups=true")),
+    "sync-filter": ("lora-async", ("buffer.mode=\"sync\"", "buffer.max_staleness=0", "learner.skip_flat_groups=true")),
+    "async-ppo-clip": ("lora-async", ("buffer.mode=\"async\"", "buffer.max_staleness=1", 'loss.type="ppo-clip"')),
+    "async-tis": ("lora-async", ("buffer.mode=\"async\"", "buffer.max_staleness=1", 'loss.type="tis"')),
+    "async-decoupled": ("lora-async", ("buffer.mode=\"async\"", "buffer.max_staleness=1", 'loss.type="decoupled"')),
+    "async-stale2": ("lora-async", ("buffer.mode=\"async\"", "buffer.max_staleness=2",)),
+    "async-shared": ("lora-async", ("buffer.mode=\"async\"", "buffer.max_staleness=1", 'generator.cpus="0-1"', 'learner.cpus="0-1"')),
+    "async-nofilter-b256": ("lora-async", ("buffer.mode=\"async\"", "buffer.max_staleness=1", "learner.skip_flat_groups=false",
                                            "generator.max_batched_tokens=256")),
 })
 NOTES = (

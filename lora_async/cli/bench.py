@@ -85,21 +85,37 @@ def bench_gen(
 @bench_app.command("e2e")
 def bench_e2e(
     config: Path = typer.Argument(Path("examples/arithmetic.toml"), help=CONFIG_HELP),
-    budget: float = typer.Option(300.0, "--budget", help="Wall-clock seconds of training per mode."),
-    eval_every: int = typer.Option(2, "--eval-every", help="Held-out eval every N steps."),
+    budget: float = typer.Option(300.0, "--budget", help="Wall-clock seconds of training per run."),
+    modes: str = typer.Option("sync,async,async-partial,auto", "--modes",
+                              help="Comma list of: sync, async, async-partial, auto."),
+    seeds: str = typer.Option("0,1", "--seeds", help="Comma list of seeds; every mode runs each."),
+    save_every: int = typer.Option(1, "--save-every", min=1,
+                                   help="Save the adapter every N steps; all are scored after the runs, off the clock."),
     out: Path = typer.Option(Path("runs/bench-e2e"), "--out", help="Where the runs go."),
     target: float = typer.Option(0.5, "--target", help="Held-out accuracy (success rate) whose time is reported."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Async (max_staleness >= 1) vs sync (max_staleness = 0) on the same config and budget;
-    on an environment also async without partial rollouts."""
-    cfg = load_or_exit(config, set_)
-    from ..bench.e2e import run_e2e_bench, split_table
+    """The modes side by side (sync, async, async with partial rollouts, auto), each at every seed,
+    on the same config and budget; held-out accuracy scored afterwards from saved adapters."""
+    from ..bench.e2e import MODES
 
-    report = run_e2e_bench(cfg, budget, out, eval_every, config, target)
+    chosen = [m for m in modes.split(",") if m]
+    unknown = sorted(set(chosen) - set(MODES))
+    if unknown or not chosen:
+        fail(f"--modes: unknown {', '.join(unknown) or '(none given)'} (choose from {', '.join(MODES)})")
+    try:
+        seed_list = [int(s) for s in seeds.split(",")]
+    except ValueError:
+        fail("--seeds: give integers like '0,1'")
+    cfg = load_or_exit(config, set_)
+    from ..bench.e2e import headline_table, run_e2e_bench, split_table
+
+    report = run_e2e_bench(cfg, budget, out, chosen, seed_list, save_every, config, target,
+                           log=lambda line: typer.echo(line, err=True))
     print(json.dumps(report, indent=None if as_json else 2))
-    typer.echo(f"where the time went (also in {out / 'time_split.md'}):\n{split_table(report)}", err=True)
+    typer.echo(f"\n{headline_table(report)}\n\nwhere the time went (also in {out / 'time_split.md'}):\n"
+               f"{split_table(report)}", err=True)
 
 
 @bench_app.command("rewards")
