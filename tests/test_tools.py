@@ -268,3 +268,37 @@ def test_template_supports_tools(tokenizer_dir: Path):
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
     assert template_supports_tools(tok, schemas)
+
+
+def test_simulated_latency_draws_a_seeded_lognormal():
+    from lora_async.envs.tools import SimulatedLatency
+
+    stream = SimulatedLatency(1.0, 1.0, seed=3)
+    draws = [stream.draw() for _ in range(2001)]
+    assert SimulatedLatency(1.0, 1.0, seed=3).draw() == draws[0]  # the same seed, the same stream
+    ordered = sorted(draws)
+    assert 0.9 < ordered[1000] < 1.1  # the median is the median asked for
+    assert ordered[-20] > 8.0  # and the tail is long (p99 of sigma 1 is about 10x the median)
+    assert SimulatedLatency(2.0, 0.0).draw() == 2.0 and SimulatedLatency(0.0, 1.0).draw() == 0.0
+
+
+def test_every_tool_call_waits_its_simulated_delay_first(monkeypatch):
+    from lora_async.envs import tools
+    from lora_async.envs.tools import SimulatedLatency
+
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(seconds: float) -> None:
+        slept.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(tools.asyncio, "sleep", recording_sleep)
+    box = ToolBox([calculate], timeout_s=5.0, latency=SimulatedLatency(0.5, 0.0))
+    try:
+        results = [run(box, "calculate", expression="6 * 7") for _ in range(3)]
+        unknown = run(box, "nope")
+    finally:
+        box.close()
+    assert [r.content for r in results] == ["42"] * 3 and unknown.error
+    assert slept == [0.5, 0.5, 0.5]  # an unknown tool reaches no remote, so it waits nothing
