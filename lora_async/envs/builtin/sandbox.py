@@ -1,0 +1,107 @@
+"""Multiplication with a Python tool: the calculator's problem (2-digit products, which the
+embedded 135M model cannot work out in its head), with a code interpreter as the tool. The
+model writes a program in a `run_python` call; it runs in the sandbox (`envs/sandbox.py`: a
+child interpreter with CPU, memory, file-size and wall-clock limits, no processes, no network,
+no writes outside its own temporary directory), and what it prints is the tool's answer. A
+program that fails (an exception, a limit, a refused operation) comes back as a tool error
+with its traceback and the reason, so the model can try again.
+
+The opening shows two worked examples, written "What is a * b?" (a call, the tool's answer, the
+final number), then asks "Compute a times b." The reward is 1 for the right final number,
+whatever the route; RL has to learn to write the program for the new wording and to copy its
+result. Held-out problems are a fixed share of all pairs (a hash of the pair), never drawn for
+training.
+
+Measured on the base model (24 held-out problems, 2 CPU cores): greedy success 0.12; 62% of
+the episodes call the tool, but with a bare expression (`"code": "73 * 50"`), which prints
+nothing, and then echo the tool's "(no output: print the result)". Sampled, 8 per problem: 8%
+success and 37% of the episodes call the tool at temperature 0.7; 1% and 13% at 1.0. What RL
+has to find is `print(a * b)`: `examples/sandbox.toml` goes from 0.09 to 1.00 held-out greedy
+success (32 problems) in 7 steps, 10.6 minutes with engine start.
+
+    [task]
+    type = "env"
+    env = "lora_async.envs.builtin.sandbox:make"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+from ..api import Env, Message, Reply, StepResult, user
+from ..sandbox import KB, MB, SandboxLimits, run_code
+
+LOW, HIGH = 10, 99  # operands: two digits
+HELDOUT_PERCENT = 30
+EXAMPLES = [(12, 34), (71, 26)]  # worked examples in every opening (with none, no reply calls the tool)
+QUESTION = "Compute {a} times {b}."
+# The tool's limits. A product takes milliseconds; anything near these is a mistake. The wall
+# limit stays under `task.tool_timeout_s` (10 s by default), so the sandbox, not the toolbox,
+# cuts a hung program off, and the model reads why.
+CPU_S = 2
+WALL_S = 5.0
+MEMORY_MB = 256
+FILE_KB = 64
+OUTPUT_CHARS = 2000  # of each stream: a reply's context is short
+LIMITS = SandboxLimits(cpu_s=CPU_S, wall_s=WALL_S, memory_bytes=MEMORY_MB * MB, file_bytes=FILE_KB * KB,
+                       output_chars=OUTPUT_CHARS)
+
+
+class ProgramError(RuntimeError):
+    """The program failed; the message (reason, output, traceback) is what the model reads."""
+
+
+def run_python(code: str) -> str:
+    """Run a Python program and return what it prints.
+
+    Args:
+        code: a Python program that prints its result, e.g. "print(12 * 34)"
+    """
+    result = run_code(code, LIMITS)
+    if not result.ok:
+        raise ProgramError(result.text())  # the toolbox hands it back as "error: ..." and counts it
+    return result.text()
+
+
+def is_heldout(a: int, b: int) -> bool:
+    digest = hashlib.blake2s(f"{a}*{b}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") % 100 < HELDOUT_PERCENT
+
+
+def example(a: int, b: int) -> list[Message]:
+    call = '<tool_call>{"name": "run_python", "arguments": {"code": "print(%d * %d)"}}</tool_call>' % (a, b)
+    return [user(f"What is {a} * {b}?"), {"role": "assistant", "content": call},
+            {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": str(a * b)}]
+
+
+class Multiply(Env):
+    tools = [run_python]
+
+    def __init__(self, a: int, b: int) -> None:
+        self.a, self.b = a, b
+        self.answer = a * b
+        self.calls = 0
+
+    def reset(self) -> list[Message]:
+        shots = [m for pair in EXAMPLES for m in example(*pair)]
+        return [{"role": "system", "content": "Use Python for arithmetic: call run_python with a program that "
+                                              "prints the result, then reply with only the final number."},
+                *shots, user(QUESTION.format(a=self.a, b=self.b))]
+
+    def step(self, reply: Reply) -> StepResult:
+        if reply.tool_calls or any(r.call is None for r in reply.tool_results):
+            self.calls += len(reply.tool_calls)
+            return StepResult()  # the results (or the parse errors) are the next message
+        right = reply.final_number() == self.answer
+        return StepResult(reward=float(right), done=True,
+                          info={"success": right, "answer": self.answer, "used_tool": self.calls > 0})
+
+
+def make(index: int, split: str) -> Multiply:
+    """Problem `index` of the split: a pure function of its arguments."""
+    rng = random.Random(f"sandbox:{split}:{index}")
+    while True:
+        a, b = rng.randint(LOW, HIGH), rng.randint(LOW, HIGH)
+        if is_heldout(a, b) == (split == "eval") and (a, b) not in EXAMPLES:
+            return Multiply(a, b)
