@@ -1,11 +1,23 @@
 """The rollout buffer: finished groups waiting for the learner, bounded by tokens.
 
 Every sample carries its adapter and, token by token, the version that sampled it (an episode
-may move to newer versions between turns, or within a turn with partial rollouts). Staleness
-is decided when the learner takes a group (that is when the lag is known) and counts the
-*oldest* trained token: groups outside the staleness window (`staleness.StalenessWindow`) are
-dropped, or admitted for importance correction (`is-correct`). Every drop and every stale admission is
-counted. One queue per adapter; the token bound is shared.
+may move to newer versions between turns; with partial rollouts a turn or a single-turn
+completion stopped by a learner step goes on on the newest version). Staleness is decided when
+the learner takes a group (that is when the lag is known), by the staleness window
+(`staleness.StalenessWindow`):
+
+- a sample is judged by the version it *finished* on, the newest among its trained tokens (for
+  a sample of one version, its only one). A group is admitted when every sample finished inside
+  the window; otherwise it is dropped, or admitted stale for importance correction (`is-correct`);
+- in an admitted sample, the tokens whose own lag (`TrainSample.token_lags`) is outside the window
+  are marked stale one by one (`TrainSample.stale_mask`), and the loss importance-corrects exactly
+  those (`loss.policy_loss`'s `stale`).
+
+A step stops exactly the generations its new version would leave outside the window, so a
+continued sample always has tokens one version outside it: judged by its oldest token it would
+always be dropped, and its continuation wasted. Its `version` and `policy_lag` still name the
+oldest token. Every drop, every stale admission and every stale token is counted. One queue per
+adapter; the token bound is shared.
 """
 
 from __future__ import annotations
@@ -40,7 +52,9 @@ class TrainSample:
     advantage: float = 0.0
     finish_reason: str = "stop"
     policy_lag: int = 0  # learner version at training time minus `version` (set on take)
-    stale: bool = False  # outside the staleness window, admitted for importance correction
+    # per completion token: trained, but sampled outside the staleness window, importance-corrected
+    # (set on take; None: no such token)
+    stale_mask: list[bool] | None = None
     trained: list[bool] | None = None  # per completion token: sampled by the model (None: all were)
     versions: list[int] | None = None  # per completion token: the version that sampled it (None: `version`)
 
@@ -57,6 +71,21 @@ class TrainSample:
     def token_lags(self) -> list[int]:
         """Each completion token's own lag: the sample's lag, less how much newer its version is."""
         return [self.policy_lag - (v - self.version) for v in self.token_versions()]
+
+    def token_stale(self) -> list[bool]:
+        return [False] * len(self.completion_ids) if self.stale_mask is None else self.stale_mask
+
+    @property
+    def stale(self) -> bool:
+        """Some trained token is outside the staleness window (importance-corrected)."""
+        return self.stale_mask is not None
+
+    @property
+    def finished_version(self) -> int:
+        """The newest version among its trained tokens: the one it finished on (its staleness)."""
+        if self.versions is None:
+            return self.version
+        return max((v for v, t in zip(self.versions, self.token_trained()) if t), default=self.version)
 
     @property
     def trained_tokens(self) -> int:
@@ -79,7 +108,9 @@ class Group:
     version: int  # the oldest version of any trained token in the group
     problem_index: int
     samples: list[TrainSample]
-    episodes: EpisodeStats | None = None  # what its episodes came to (environments; None: single-turn)
+    # what its episodes came to (environments), or a single-turn group's continued completions
+    # (`resumed_turns`, `tokens_reprefilled`; partial rollouts); None: nothing to report
+    episodes: EpisodeStats | None = None
     # each reward function's value per sample (None: it did not score that one), for `reward/<name>`
     reward_parts: dict[str, list[float | None]] = field(default_factory=dict)
 
@@ -115,6 +146,7 @@ class BufferCounters:
     groups_out: int = 0
     dropped_stale: int = 0  # samples
     admitted_stale: int = 0  # samples kept under `is-correct`
+    stale_tokens_corrected: int = 0  # trained tokens of admitted samples marked stale (importance-corrected)
     per_adapter_dropped: dict[str, int] = field(default_factory=dict)
 
 
@@ -166,21 +198,24 @@ class RolloutBuffer:
                     return group
 
     def admit(self, group: Group, learner_version: int) -> bool:
-        """Stamp policy_lag; apply the stale policy (on the group's oldest trained token). False
-        means the group was dropped."""
-        stale = not self.window.admits(learner_version - group.version)
+        """Stamp each sample's policy_lag and stale tokens; apply the stale policy to a group with
+        a sample that finished outside the window. False means the group was dropped."""
+        window = self.window
+        late = False
         for sample in group.samples:
             sample.policy_lag = learner_version - sample.version
-            sample.stale = stale
-        if not stale:
-            return True
-        n = len(group.samples)
-        if self.stale_policy == "drop":
-            self.counters.dropped_stale += n
-            per = self.counters.per_adapter_dropped
-            per[group.adapter] = per.get(group.adapter, 0) + n
-            return False
-        self.counters.admitted_stale += n
+            late |= not window.admits(learner_version - sample.finished_version)
+            mask = [t and not window.admits(lag) for t, lag in zip(sample.token_trained(), sample.token_lags())]
+            sample.stale_mask = mask if any(mask) else None
+        if late:
+            n = len(group.samples)
+            if self.stale_policy == "drop":
+                self.counters.dropped_stale += n
+                per = self.counters.per_adapter_dropped
+                per[group.adapter] = per.get(group.adapter, 0) + n
+                return False
+            self.counters.admitted_stale += n
+        self.counters.stale_tokens_corrected += sum(sum(s.token_stale()) for s in group.samples)
         return True
 
     async def notify(self) -> None:

@@ -63,7 +63,9 @@ class EpisodeStats:
     tokens_max: int = field(default=0, metadata=BY_MAX)
     version_span: int = 0  # newest minus oldest sampling version, summed over episodes
     version_span_max: int = field(default=0, metadata=BY_MAX)
-    resumed_turns: int = 0  # turns stopped as too stale and continued on a newer version
+    # turns stopped as too stale and continued on a newer version (each continuation counts; a
+    # single-turn group reports its continued completions here, with `episodes` 0)
+    resumed_turns: int = 0
     tokens_reprefilled: int = 0  # context prefilled again because of those switches
     env_errors: int = 0
     truncated_episodes: int = 0
@@ -106,13 +108,20 @@ class EpisodeStats:
                 "tool_calls_mean": self._mean(self.tool_calls), "tool_call_rate": self._mean(self.tool_users),
                 "episode_tokens_mean": self._mean(self.tokens), "episode_tokens_max": self.tokens_max,
                 "version_span_mean": self._mean(self.version_span), "version_span_max": self.version_span_max,
-                "resumed_turns": self.resumed_turns, "tokens_reprefilled": self.tokens_reprefilled}
+                **self.resumed_figures()}
+
+    def resumed_figures(self) -> dict[str, int]:
+        """Turns (single-turn tasks: completions) stopped by a step and continued on a newer version."""
+        return {"resumed_turns": self.resumed_turns, "tokens_reprefilled": self.tokens_reprefilled}
+
+    def resumed_total_figures(self) -> dict[str, int]:
+        """`resumed_figures` as a step line's run totals (these stats are the run's)."""
+        return {f"{key}_total": value for key, value in self.resumed_figures().items()}
 
     def total_figures(self) -> dict[str, int]:
         """A step line's run totals so far (these stats are the run's)."""
         return {"env_errors": self.env_errors, "tool_errors": self.tool_errors,
-                "truncated_episodes": self.truncated_episodes, "resumed_turns_total": self.resumed_turns,
-                "tokens_reprefilled_total": self.tokens_reprefilled}
+                "truncated_episodes": self.truncated_episodes, **self.resumed_total_figures()}
 
     def summary_figures(self) -> dict[str, int]:
         """`summary.json`'s episode totals (these stats are the run's)."""

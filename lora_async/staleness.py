@@ -1,9 +1,15 @@
 """The staleness window: how far behind the learner a version may be and still train.
 
-One rule, asked everywhere it matters: a sample drawn on version `k` may train at learner
+One rule, asked everywhere it matters: what was drawn on version `k` may train at learner
 version `v` when `v - k <= max_staleness` (its *lag*). Everything else follows from it:
 
-- the buffer drops (or marks for correction) a group whose lag is outside the window (`admits`);
+- the buffer judges a sample by the version it *finished* on (the newest version among its
+  trained tokens): it drops (or admits for correction) a group with a sample that finished
+  outside the window, and in the samples it admits marks the tokens whose own lag is outside
+  it, which the loss importance-corrects token by token (`admits`; see `buffer.py`). A
+  sample that spans versions (a turn or completion stopped by a step and continued on the
+  newest version) always has tokens one version outside: judged by its oldest token, every
+  continuation would be thrown away;
 - admission starts a group only if its expected lag when trained is inside (`admits`);
 - a learner step aborts the rollouts its new version would leave outside (`oldest`);
 - the generator retires a version once it has left the window of the newest (`retirable`);

@@ -3,8 +3,10 @@
 import asyncio
 
 import pytest
+import torch
 
 from lora_async.buffer import Group, RolloutBuffer, TrainSample, group_advantages
+from lora_async.learner.packing import build_micro_batch
 from lora_async.staleness import StalenessWindow
 
 
@@ -66,6 +68,43 @@ def test_is_correct_admits_stale_groups_marked_for_correction():
         assert all(s.stale and s.policy_lag == 2 for s in got.samples)
         assert buf.counters.admitted_stale == 2 and buf.counters.dropped_stale == 0
     asyncio.run(scenario())
+
+
+def spanning(versions, reward=1.0):
+    """A completion continued on newer versions (partial rollouts): `versions` per token."""
+    n = len(versions)
+    return TrainSample("a", min(versions), [1, 2], list(range(10, 10 + n)), [-0.5] * n, reward,
+                       versions=None if len(set(versions)) == 1 else versions)
+
+
+def test_a_sample_spanning_versions_is_judged_by_the_version_it_finished_on():
+    """At learner v4 with max_staleness 1, a sample begun on v2 and finished on v3 trains (its
+    continuation is not thrown away); only its v2 tokens are marked, for importance correction."""
+    buf = RolloutBuffer(max_tokens=1000, window=StalenessWindow(1), stale_policy="drop")
+    continued, fresh = spanning([2, 2, 3, 3]), spanning([3, 3, 3], reward=0.0)
+    assert buf.admit(Group("a", 2, 0, [continued, fresh]), learner_version=4)
+    assert continued.policy_lag == 2 and continued.token_lags() == [2, 2, 1, 1]  # lag: the oldest token's
+    assert continued.token_stale() == [True, True, False, False] and continued.stale
+    assert fresh.token_stale() == [False] * 3 and not fresh.stale and fresh.policy_lag == 1
+    assert (buf.counters.stale_tokens_corrected, buf.counters.dropped_stale, buf.counters.admitted_stale) == (2, 0, 0)
+    mb = build_micro_batch([continued, fresh], [[0, 1]], pad_id=0, device=torch.device("cpu"))
+    assert mb.stale.tolist() == [True, True, False, False, False, False, False]  # token by token
+    assert mb.lag.tolist() == [2, 2, 1, 1, 1, 1, 1]
+
+
+def test_a_sample_that_finished_outside_the_window_is_dropped_as_before():
+    buf = RolloutBuffer(max_tokens=1000, window=StalenessWindow(1), stale_policy="drop")
+    assert not buf.admit(Group("a", 2, 0, [spanning([2, 2]), spanning([3, 3])]), learner_version=4)  # v2: 2 behind
+    assert not buf.admit(Group("a", 1, 0, [spanning([1, 2])]), learner_version=4)  # finished on v2
+    assert buf.counters.dropped_stale == 3 and buf.counters.stale_tokens_corrected == 0
+
+
+def test_is_correct_marks_every_token_outside_the_window_of_a_late_group():
+    buf = RolloutBuffer(max_tokens=1000, window=StalenessWindow(1), stale_policy="is-correct")
+    late, fresh = spanning([1, 2]), spanning([3, 3])
+    assert buf.admit(Group("a", 1, 0, [late, fresh]), learner_version=4)
+    assert late.token_stale() == [True, True] and fresh.token_stale() == [False, False]
+    assert buf.counters.admitted_stale == 2 and buf.counters.stale_tokens_corrected == 2
 
 
 def test_adapters_have_separate_queues():

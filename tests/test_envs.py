@@ -147,8 +147,10 @@ def x_or_y(request, rng):
 
 def test_episodes_record_every_token_with_its_version(tmp_path, env_module):
     """Multi-turn episodes across publishes: every trained token carries the version the
-    generator sampled it with; environment tokens are context; the group shares its opening."""
-    cfg = config(tmp_path, run={"max_steps": 8})
+    generator sampled it with; environment tokens are context; the group shares its opening.
+    (Without partial rollouts, so each reply is one request: continued turns are tested below.)"""
+    cfg = config(tmp_path, buffer={"mode": "async", "max_staleness": 1, "partial_rollouts": False},
+                 run={"max_steps": 8})
     parts = FakeParts(["main"], gen_delay=lambda: 0.08, step_s=0.1, reply=numbered)
     summary = run(cfg, parts)
     assert summary["steps"] == 8 and summary["episodes"] > 0 and summary["env_errors"] == 0

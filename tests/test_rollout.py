@@ -15,8 +15,9 @@ import pytest
 from rich.console import Console
 
 from lora_async.config import TrainConfig
-from lora_async.generator.types import GenRequest, GenResult, GenStatus, generate_async
+from lora_async.generator.types import GenRequest, GenResult, GenStatus, Sample, generate_async
 from lora_async.orchestrator.rollouts import ROLLOUT_TAG, record
+from lora_async.orchestrator.rows import episode_figures
 from lora_async.orchestrator.state import AdapterRun, Counters
 from lora_async.outcomes import EpisodeStats, Outcome
 from lora_async.rollout import GroupRollout, RolloutContext
@@ -65,12 +66,12 @@ def env_module(tmp_path, monkeypatch):
     sys.modules.pop("contract_envs", None)
 
 
-def single_turn(tmp_path: Path) -> TrainConfig:
+def single_turn(tmp_path: Path, reward: str = "regex:^x") -> TrainConfig:
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"item {i}", "answer": "-"}) for i in range(10)))
     return TrainConfig.model_validate({
         "sampling": {"samples_per_prompt": 4, "max_new_tokens": 8}, "run": {"eval_max_tokens": 5},
-        "task": {"type": "jsonl", "path": str(data), "reward": "regex:^x", "heldout": 3}})
+        "task": {"type": "jsonl", "path": str(data), "reward": reward, "heldout": 3}})
 
 
 def environment(factory: str) -> TrainConfig:
@@ -130,6 +131,142 @@ def test_a_group_that_did_not_complete_says_why(tmp_path, status):
     assert rollout.group is None and rollout.status is status and rollout.tokens == 0
     assert rollout.error == f"{status.value} here"
     source.close()
+
+
+Piece = tuple[str, list[float], str]  # text (bytes are the token ids), behaviour logprobs, finish_reason
+
+
+class Scripted:
+    """A generator that answers from a script: what follows the group's prompt in a request's
+    prompt (b"" for the group's own request, b"ab" for a completion continued after "ab") to the
+    results it gets, in order. Records every request and how many were in flight at once."""
+
+    def __init__(self, script: dict[bytes, list[tuple[GenStatus, int, list[Piece]]]]) -> None:
+        self.script = {tail: list(results) for tail, results in script.items()}
+        self.requests: list[GenRequest] = []
+        self.running = self.most_running = 0
+
+    async def __call__(self, request: GenRequest) -> GenResult:
+        self.requests.append(request)
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        await asyncio.sleep(0.01)
+        self.running -= 1
+        status, version, pieces = self.script[bytes(request.prompt_ids[len(self.requests[0].prompt_ids):])].pop(0)
+        samples = [Sample(list(text.encode()), logprobs, finish) for text, logprobs, finish in pieces]
+        return GenResult(request, request.adapter, version, samples, status, None if status is GenStatus.OK else "!")
+
+
+def partial_rollout(tmp_path: Path, generate, partial: bool = True) -> GroupRollout:
+    config = single_turn(tmp_path, reward="regex:z$")  # scored on the completion's end: decoded whole
+    source = make_source(config.adapter_specs[0], config, seed=0)
+    try:
+        return asyncio.run(source.rollout(5, RolloutContext(generate, ByteTokenizer(), ROLLOUT_TAG, partial=partial)))
+    finally:
+        source.close()
+
+
+OK, STOPPED = GenStatus.OK, GenStatus.STOPPED
+
+
+def test_a_stopped_single_turn_group_continues_its_unfinished_completions_on_the_newest_version(tmp_path):
+    generate = Scripted({
+        b"": [(STOPPED, 3, [("xz", [-0.1, -0.2], "stop"), ("ab", [-0.3, -0.4], "abort"),
+                            ("y", [-0.5], "stop"), ("cd", [-0.6, -0.7], "abort")])],
+        b"ab": [(OK, 4, [("cz", [-1.1, -1.2], "stop")])],
+        b"cd": [(OK, 4, [("e", [-1.3], "stop")])]})
+    rollout = partial_rollout(tmp_path, generate)
+    first, *continued = generate.requests
+    prompt = first.prompt_ids
+    assert first.n == 4 and first.keep_partial and first.max_tokens == 8
+    # one request of one completion per unfinished one, all at once, from its tokens so far
+    assert [bytes(r.prompt_ids[len(prompt):]) for r in continued] == [b"ab", b"cd"] and generate.most_running == 2
+    assert all((r.n, r.max_tokens, r.keep_partial, r.tag, r.temperature, r.top_p, r.adapter) ==
+               (1, 6, True, ROLLOUT_TAG, first.temperature, first.top_p, "main") for r in continued)
+    group = rollout.group
+    assert rollout.status is GenStatus.OK and group is not None and group.version == 3
+    got = [(bytes(s.completion_ids), s.version, s.versions, s.logprobs, s.finish_reason) for s in group.samples]
+    assert got == [(b"xz", 3, None, [-0.1, -0.2], "stop"),  # finished before the stop: as it was
+                   (b"abcz", 3, [3, 3, 4, 4], [-0.3, -0.4, -1.1, -1.2], "stop"),
+                   (b"y", 3, None, [-0.5], "stop"),
+                   (b"cde", 3, [3, 3, 4], [-0.6, -0.7, -1.3], "stop")]
+    assert all(s.prompt_ids == prompt for s in group.samples)
+    assert [s.reward for s in group.samples] == [1.0, 1.0, 0.0, 0.0]  # "abcz" scored whole
+    assert rollout.tokens == 10
+    assert (rollout.episodes.resumed_turns, rollout.episodes.tokens_reprefilled) == (2, 2 * (len(prompt) + 2))
+    assert rollout.episodes.episodes == 0 and group.episodes == rollout.episodes
+
+
+def test_a_continuation_stopped_again_goes_on_and_a_completion_not_begun_starts_over(tmp_path):
+    generate = Scripted({
+        b"": [(STOPPED, 3, [("xz", [-0.1, -0.2], "stop"), ("q", [-0.3], "stop"), ("ab", [-0.4, -0.5], "abort")]),
+              (OK, 4, [("wz", [-0.6, -0.7], "stop")])],  # the fourth completion, not begun when stopped
+        b"ab": [(STOPPED, 4, [("c", [-0.8], "abort")])],
+        b"abc": [(OK, 5, [("z", [-0.9], "stop")])]})
+    rollout = partial_rollout(tmp_path, generate)
+    prompt = generate.requests[0].prompt_ids
+    assert [(bytes(r.prompt_ids[len(prompt):]), r.max_tokens) for r in generate.requests[1:]] == [
+        (b"ab", 6), (b"", 8), (b"abc", 5)]
+    group = rollout.group
+    assert group is not None
+    got = [(bytes(s.completion_ids), s.version, s.versions, s.logprobs) for s in group.samples]
+    assert got == [(b"xz", 3, None, [-0.1, -0.2]), (b"q", 3, None, [-0.3]),
+                   (b"abcz", 3, [3, 3, 4, 5], [-0.4, -0.5, -0.8, -0.9]), (b"wz", 4, None, [-0.6, -0.7])]
+    assert (rollout.episodes.resumed_turns, rollout.episodes.tokens_reprefilled) == (
+        3, (len(prompt) + 2) + len(prompt) + (len(prompt) + 3))
+
+
+@pytest.mark.parametrize("status", [GenStatus.ENGINE_DEAD, GenStatus.EVICTED])
+def test_a_continuation_that_fails_fails_the_group(tmp_path, status):
+    generate = Scripted({
+        b"": [(STOPPED, 3, [("xz", [-0.1, -0.2], "stop"), ("ab", [-0.3, -0.4], "abort"),
+                            ("y", [-0.5], "stop"), ("cd", [-0.6, -0.7], "abort")])],
+        b"ab": [(OK, 4, [("cz", [-1.1, -1.2], "stop")])],
+        b"cd": [(status, 4, [])]})
+    rollout = partial_rollout(tmp_path, generate)
+    assert rollout.group is None and rollout.status is status and rollout.error == "!"
+    assert rollout.episodes.resumed_turns == 2  # counted all the same
+
+
+def test_without_partial_rollouts_a_stopped_group_is_dropped_as_before(tmp_path):
+    generate = Scripted({b"": [(STOPPED, 3, [("ab", [-0.3, -0.4], "abort")] * 4)]})
+    rollout = partial_rollout(tmp_path, generate, partial=False)
+    (request,) = generate.requests  # nothing continued
+    assert not request.keep_partial and request.group is None
+    assert rollout.group is None and rollout.status is STOPPED and rollout.episodes == EpisodeStats()
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_single_turn_group_cut_short_by_a_step(tmp_path, partial):
+    """Against the fake engine: `abort_older` while the group generates. With partial rollouts it
+    comes back stopped (the fake keeps one completion's first half; the others had not begun) and
+    goes on on the newest version; without, the group is dropped as stale."""
+    fake = FakeGenerator(lambda: 0.1, [], reply=lambda request, rng: "xabc")
+    fake.live["main"] = [0]
+    config = single_turn(tmp_path)
+    source = make_source(config.adapter_specs[0], config, seed=0)
+    generate = Recorder(fake)
+
+    async def scenario() -> GroupRollout:
+        running = asyncio.create_task(source.rollout(0, RolloutContext(generate, ByteTokenizer(), ROLLOUT_TAG,
+                                                                       partial=partial)))
+        await asyncio.sleep(0.03)
+        fake.live["main"].append(1)  # a step published v1 and stops what v1 leaves outside the window
+        fake.abort_older("main", 1, ROLLOUT_TAG)
+        return await running
+
+    rollout = asyncio.run(scenario())
+    source.close()
+    if not partial:
+        assert rollout.group is None and rollout.status is GenStatus.ABORTED_STALE and len(generate.requests) == 1
+        return
+    group = rollout.group
+    assert group is not None and [r.n for r in generate.requests] == [4, 1, 1, 1, 1]
+    spanning, *fresh = group.samples
+    assert bytes(spanning.completion_ids) == b"xabcxabc" and spanning.versions == [0] * 4 + [1] * 4
+    assert spanning.logprobs == [-2.0] * 4 + [-1.0] * 4 and spanning.version == 0
+    assert all(bytes(s.completion_ids) == b"xabc" and s.version == 1 and s.versions is None for s in fresh)
+    assert rollout.episodes.resumed_turns == 4
 
 
 def test_single_turn_evaluation_is_greedy_one_request_per_held_out_problem(tmp_path):
@@ -215,6 +352,17 @@ def test_the_producer_counts_what_each_group_came_to(tmp_path):
     assert run.errors == []
     record(run, adapter, GroupRollout(None, GenStatus.ENGINE_DEAD, "engine died"))
     assert "the vLLM engine died: engine died" in str(run.errors[0]) and c.groups_failed == 2
+
+
+def test_single_turn_continuations_reach_the_rows_under_the_episodes_keys(tmp_path):
+    adapter, run, _ = producer(tmp_path)
+    assert episode_figures(adapter) == {}  # a single-turn task without continuations: nothing
+    resumed = EpisodeStats(resumed_turns=2, tokens_reprefilled=30)
+    record(run, adapter, GroupRollout(None, GenStatus.ENGINE_DEAD, episodes=resumed))
+    record(run, adapter, GroupRollout(None, GenStatus.ENGINE_DEAD, episodes=resumed))
+    adapter.pulled_episodes = EpisodeStats(resumed_turns=2, tokens_reprefilled=30)  # the step's groups
+    assert episode_figures(adapter) == {"resumed_turns": 2, "tokens_reprefilled": 30,
+                                        "resumed_turns_total": 4, "tokens_reprefilled_total": 60}
 
 
 def test_episode_stats_merge_and_rows():

@@ -50,10 +50,18 @@ def test_each_token_has_its_own_lag():
     assert s.version_span == 2
 
 
-def test_staleness_counts_the_oldest_trained_token():
+def test_staleness_counts_the_version_a_sample_finished_on_and_marks_older_tokens():
     buffer = RolloutBuffer(10_000, window=StalenessWindow(2), stale_policy="drop")
     s = episode()  # tokens from v3 to v5
-    assert not buffer.admit(Group("a", s.version, 0, [s]), learner_version=6)  # v3 is 3 behind
+    assert buffer.admit(Group("a", s.version, 0, [s]), learner_version=6)  # it finished on v5: 1 behind
+    assert s.policy_lag == 3  # still the oldest token's lag
+    # only the v3 tokens are outside the window; environment tokens are never marked
+    assert s.token_stale() == [True] * 3 + [False] * 9
+    assert buffer.counters.stale_tokens_corrected == 3 and buffer.counters.dropped_stale == 0
+    mb = build_micro_batch([s], [[0]], pad_id=0, device=torch.device("cpu"))
+    assert mb.stale.tolist() == [True] * 3 + [False] * 4  # one mark per trained token
+    late = episode()
+    assert not buffer.admit(Group("a", late.version, 0, [late]), learner_version=8)  # v5 is 3 behind
     assert buffer.counters.dropped_stale == 1
 
 

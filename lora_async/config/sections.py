@@ -151,11 +151,12 @@ class BufferConfig(Section):
                     "0 = synchronous training whatever the mode).",
     )
     stale_policy: Literal["drop", "is-correct"] = Field(
-        "drop", description="What happens to samples older than max_staleness (counted on the oldest trained token)."
+        "drop", description="What happens to a group with a sample that finished on a version older than max_staleness "
+                        "allows (its older tokens, from partial rollouts, are importance-corrected either way)."
     )
     partial_rollouts: bool = Field(
-        True, description="Episodes: a turn a learner step makes too stale is stopped and continued on the newest "
-                          "version (false: aborted and its group dropped).",
+        True, description="Async runs: a turn or completion a learner step makes too stale is stopped and continued "
+                          "on the newest version, its tokens keeping their version (false: aborted, group dropped).",
     )
 
     @property

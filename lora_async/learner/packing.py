@@ -8,6 +8,9 @@ token budget.
 An episode's completion also holds environment, tool and template tokens: they are inputs (the
 model reads them) but never targets, so only the tokens the model sampled reach the LM head,
 the loss and the gradient.
+
+Each target token carries its own lag and stale mark (a sample continued on a newer version
+holds tokens of several versions; `buffer.py` marks those outside the staleness window).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class MicroBatch:
     targets: torch.Tensor  # [N] the trained (model-sampled) completion tokens
     behaviour: torch.Tensor  # [N] vLLM's sampling logprob of each
     advantages: torch.Tensor  # [N]
-    stale: torch.Tensor  # [N] bool
+    stale: torch.Tensor  # [N] bool: each token sampled outside the staleness window (its own lag's)
     lag: torch.Tensor  # [N] each token's own policy lag (its version's, not the sample's)
     lengths: list[int]  # trained tokens of each sample, in input order
 
@@ -140,7 +143,8 @@ def build_micro_batch(samples: list[TrainSample], rows: list[list[int]], pad_id:
             targets.extend(s.completion_ids[j] for j in keep)
             behaviour.extend(s.logprobs[j] for j in keep)
             adv.extend([s.advantage] * len(keep))
-            stale.extend([s.stale] * len(keep))
+            marks = s.token_stale()
+            stale.extend(marks[j] for j in keep)
             lags = s.token_lags()
             lag.extend(lags[j] for j in keep)
             lengths.append(len(keep))

@@ -12,6 +12,7 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from ..buffer import Group
+from ..mode import PROBE_STEPS
 from ..timing import call_figures
 from .state import AdapterRun, Run, StepMarks
 
@@ -51,7 +52,9 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         "micro_batches": stats.micro_batches,
         "policy_lag_mean": statistics.fmean(lags) if lags else 0.0, "policy_lag_max": max(lags) if lags else 0,
         "dropped_stale": run.buffer.counters.per_adapter_dropped.get(adapter.name, 0),
-        "admitted_stale": run.buffer.counters.admitted_stale, "zero_adv_groups": counters.zero_adv_groups,
+        "admitted_stale": run.buffer.counters.admitted_stale,
+        "stale_tokens_corrected": run.buffer.counters.stale_tokens_corrected,
+        "zero_adv_groups": counters.zero_adv_groups,
         "ratio_mean": ls.ratio_mean, "ratio_max": ls.ratio_max if ls.tokens else 1.0,
         "ratio_min": ls.ratio_min if ls.tokens else 1.0, "clip_frac": ls.clip_frac, "kl": ls.kl,
         "loss": stats.loss, "grad_norm": stats.grad_norm, "updated": stats.updated,
@@ -105,19 +108,25 @@ def engine_running_mean(run: Run, marks: StepMarks) -> float | None:
 
 def episode_figures(adapter: AdapterRun) -> dict[str, Any]:
     """Environment tasks: the episodes of every group taken for this step (trained or skipped as
-    flat: the policy's figures, like `reward_mean`) and the run's totals. Empty for single-turn
-    tasks."""
+    flat: the policy's figures, like `reward_mean`) and the run's totals. Single-turn tasks: the
+    completions continued on a newer version (partial rollouts) once there are any, under the
+    keys episodes report their continued turns with; otherwise nothing."""
     pulled, totals = adapter.pulled_episodes, adapter.counters.episode_stats
-    if not pulled.episodes:
-        return {"episodes": 0} if totals.episodes else {}
-    return {**pulled.step_figures(), **totals.total_figures()}
+    if pulled.episodes:
+        return {**pulled.step_figures(), **totals.total_figures()}
+    figures: dict[str, Any] = {"episodes": 0} if totals.episodes else {}
+    if totals.resumed_turns:
+        figures.update(pulled.resumed_figures(), **totals.resumed_total_figures())
+    return figures
 
 
 def run_summary(run: Run) -> dict[str, Any]:
     """`OUT/summary.json`: the run's totals (per adapter, prefixed by its name in a fleet)."""
     summary: dict[str, Any] = {"steps": run.global_step, "wall_s": round(run.wall_s, 1),
                                "samples_in": run.buffer.counters.samples_in,
-                               "dropped_stale": run.buffer.counters.dropped_stale, "output_dir": str(run.out_dir)}
+                               "dropped_stale": run.buffer.counters.dropped_stale,
+                               "stale_tokens_corrected": run.buffer.counters.stale_tokens_corrected,
+                               "output_dir": str(run.out_dir)}
     for name, adapter in run.adapters.items():
         prefix = "" if len(run.adapters) == 1 else f"{name}."
         counters = adapter.counters
@@ -128,12 +137,16 @@ def run_summary(run: Run) -> dict[str, Any]:
             "reward_errors": adapter.source.stats.errors}
         if counters.episode_stats.episodes:
             totals.update(counters.episode_stats.summary_figures())
+        elif counters.episode_stats.resumed_turns:  # single-turn completions continued (partial rollouts)
+            totals.update(counters.episode_stats.resumed_figures())
         totals.update({key: round(value, 6) for key, value in adapter.waits.run_figures().items()})
         summary.update({f"{prefix}{key}": value for key, value in totals.items()})
         for row in (r for r in run.evals if r["adapter"] == name):
             summary[f"{prefix}accuracy_{row['when']}"] = row["accuracy"]
     summary.update(run.generator.stats.replica_figures())
     summary.update(time_totals(run))
+    summary.update(run.choice.figures() if run.choice is not None else
+                   {"mode": "sync", "mode_reason": f"auto: the run ended before it had measured {PROBE_STEPS} steps"})
     if run.error is not None:
         summary["error"] = str(run.error)
     return summary
