@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from lora_async.envs.api import Reply, ToolCall, ToolResult
-from lora_async.envs.builtin import sandbox as env
+from lora_async.envs.builtin import calculator, sandbox as env
 from lora_async.envs.sandbox import CUT_MARKER, SandboxLimits, run_code
 from lora_async.envs.tools import ToolBox, parse_tool_calls, tool_schemas
 
@@ -339,8 +339,8 @@ def test_problems_are_pure_and_the_splits_disjoint():
     train = {(e.a, e.b) for e in (env.make(i, "train") for i in range(400))}
     heldout = {(e.a, e.b) for e in (env.make(i, "eval") for i in range(400))}
     assert train and heldout and not train & heldout
-    assert all(env.is_heldout(a, b) for a, b in heldout) and not any(env.is_heldout(a, b) for a, b in train)
-    assert not (train | heldout) & set(env.EXAMPLES)
+    assert all(calculator.is_heldout(a, b) for a, b in heldout) and not any(calculator.is_heldout(a, b) for a, b in train)
+    assert not (train | heldout) & set(calculator.EXAMPLES)
     assert env.make(3, "train").reset() == env.make(3, "train").reset()
 
 
@@ -354,7 +354,7 @@ def test_the_opening_shows_worked_examples_that_the_real_tool_answers():
         calls, errors = parse_tool_calls(call_message["content"])
         assert errors == [] and len(calls) == 1 and calls[0].name == "run_python"
         assert env.run_python(**calls[0].arguments) == tool["content"] == answer["content"]
-    (schema,) = tool_schemas(env.Multiply.tools)
+    (schema,) = tool_schemas(env.Program.tools)
     assert schema["function"]["name"] == "run_python"
     assert schema["function"]["parameters"]["required"] == ["code"]
 

@@ -57,24 +57,27 @@ def is_heldout(a: int, b: int) -> bool:
     return int.from_bytes(digest, "little") % 100 < HELDOUT_PERCENT
 
 
-def example(a: int, b: int) -> list[Message]:
-    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "%d * %d"}}</tool_call>' % (a, b)
-    return [user(f"What is {a} * {b}?"), {"role": "assistant", "content": call},
-            {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": str(a * b)}]
-
-
 class Multiply(Env):
+    """A product to find with the tool; a subclass changes the tool, the system message and the
+    worked examples' call (the sandbox environment)."""
+
     tools = [calculate]
+    SYSTEM = "Use the calculator for arithmetic, then reply with only the final number."
+    CALL = '<tool_call>{"name": "calculate", "arguments": {"expression": "%d * %d"}}</tool_call>'
 
     def __init__(self, a: int, b: int) -> None:
         self.a, self.b = a, b
         self.answer = a * b
         self.calls = 0
 
+    @classmethod
+    def example(cls, a: int, b: int) -> list[Message]:
+        return [user(f"What is {a} * {b}?"), {"role": "assistant", "content": cls.CALL % (a, b)},
+                {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": str(a * b)}]
+
     def reset(self) -> list[Message]:
-        shots = [m for pair in EXAMPLES for m in example(*pair)]
-        return [{"role": "system", "content": "Use the calculator for arithmetic, then reply with only the "
-                                              "final number."}, *shots, user(QUESTION.format(a=self.a, b=self.b))]
+        shots = [m for pair in EXAMPLES for m in self.example(*pair)]
+        return [{"role": "system", "content": self.SYSTEM}, *shots, user(QUESTION.format(a=self.a, b=self.b))]
 
     def step(self, reply: Reply) -> StepResult:
         if reply.tool_calls or any(r.call is None for r in reply.tool_results):
@@ -85,10 +88,15 @@ class Multiply(Env):
                           info={"success": right, "answer": self.answer, "used_tool": self.calls > 0})
 
 
-def make(index: int, split: str) -> Multiply:
-    """Problem `index` of the split: a pure function of its arguments."""
-    rng = random.Random(f"calculator:{split}:{index}")
+def draw(kind: type[Multiply], name: str, index: int, split: str) -> Multiply:
+    """Problem `index` of the split (`name` seeds the draw): a pure function of its arguments."""
+    rng = random.Random(f"{name}:{split}:{index}")
     while True:
         a, b = rng.randint(LOW, HIGH), rng.randint(LOW, HIGH)
         if is_heldout(a, b) == (split == "eval") and (a, b) not in EXAMPLES:
-            return Multiply(a, b)
+            return kind(a, b)
+
+
+def make(index: int, split: str) -> Multiply:
+    """Problem `index` of the split: a pure function of its arguments."""
+    return draw(Multiply, "calculator", index, split)

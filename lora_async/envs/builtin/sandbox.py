@@ -26,16 +26,9 @@ success (32 problems) in 7 steps, 10.6 minutes with engine start.
 
 from __future__ import annotations
 
-import hashlib
-import random
-
-from ..api import Env, Message, Reply, StepResult, user
 from ..sandbox import KB, MB, SandboxLimits, run_code
+from .calculator import Multiply, draw
 
-LOW, HIGH = 10, 99  # operands: two digits
-HELDOUT_PERCENT = 30
-EXAMPLES = [(12, 34), (71, 26)]  # worked examples in every opening (with none, no reply calls the tool)
-QUESTION = "Compute {a} times {b}."
 # The tool's limits. A product takes milliseconds; anything near these is a mistake. The wall
 # limit stays under `task.tool_timeout_s` (10 s by default), so the sandbox, not the toolbox,
 # cuts a hung program off, and the model reads why.
@@ -64,44 +57,13 @@ def run_python(code: str) -> str:
     return result.text()
 
 
-def is_heldout(a: int, b: int) -> bool:
-    digest = hashlib.blake2s(f"{a}*{b}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") % 100 < HELDOUT_PERCENT
-
-
-def example(a: int, b: int) -> list[Message]:
-    call = '<tool_call>{"name": "run_python", "arguments": {"code": "print(%d * %d)"}}</tool_call>' % (a, b)
-    return [user(f"What is {a} * {b}?"), {"role": "assistant", "content": call},
-            {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": str(a * b)}]
-
-
-class Multiply(Env):
+class Program(Multiply):
     tools = [run_python]
-
-    def __init__(self, a: int, b: int) -> None:
-        self.a, self.b = a, b
-        self.answer = a * b
-        self.calls = 0
-
-    def reset(self) -> list[Message]:
-        shots = [m for pair in EXAMPLES for m in example(*pair)]
-        return [{"role": "system", "content": "Use Python for arithmetic: call run_python with a program that "
-                                              "prints the result, then reply with only the final number."},
-                *shots, user(QUESTION.format(a=self.a, b=self.b))]
-
-    def step(self, reply: Reply) -> StepResult:
-        if reply.tool_calls or any(r.call is None for r in reply.tool_results):
-            self.calls += len(reply.tool_calls)
-            return StepResult()  # the results (or the parse errors) are the next message
-        right = reply.final_number() == self.answer
-        return StepResult(reward=float(right), done=True,
-                          info={"success": right, "answer": self.answer, "used_tool": self.calls > 0})
+    SYSTEM = ("Use Python for arithmetic: call run_python with a program that prints the result, then reply "
+              "with only the final number.")
+    CALL = '<tool_call>{"name": "run_python", "arguments": {"code": "print(%d * %d)"}}</tool_call>'
 
 
 def make(index: int, split: str) -> Multiply:
     """Problem `index` of the split: a pure function of its arguments."""
-    rng = random.Random(f"sandbox:{split}:{index}")
-    while True:
-        a, b = rng.randint(LOW, HIGH), rng.randint(LOW, HIGH)
-        if is_heldout(a, b) == (split == "eval") and (a, b) not in EXAMPLES:
-            return Multiply(a, b)
+    return draw(Program, "sandbox", index, split)
