@@ -16,10 +16,14 @@ So an auto run decides in one of two ways:
 
 The model of an async step (a pipeline: the learner trains step k while the generator makes
 step k+1's groups, with up to `staleness + 1` steps' worth of groups in flight, so their waits
-overlap each other and the learner):
+overlap each other and the learner), with the cores split between the halves:
 
     async step = max(learner on its share,  generator compute on its share,
                      (generator compute on its share + waits) / (staleness + 1))
+
+and where they cannot be split (one GPU for both) their compute adds up, and only waits hide:
+
+    async step = max(learner + generator compute,  (generator compute + waits) / (staleness + 1))
 
 against the measured sync step (generator compute + waits + learner, one after the other).
 Every decision is one `Choice`, with the figures and a reason in words: the start line, a
@@ -114,9 +118,14 @@ class Choice:
 
 
 def async_step_s(step: SyncStep, staleness: int, split: bool) -> float:
-    """The predicted async step (the module docstring's model)."""
-    learner = step.learner_s * (LEARNER_SPLIT_SLOWDOWN if split else 1.0)
-    generator = step.gen_compute_s * (GENERATOR_SPLIT_SLOWDOWN if split else 1.0)
+    """The predicted async step (the module docstring's model). `split`: each half computes on
+    its own share of the cores; otherwise both compute on one device (one GPU, or cores that
+    cannot be re-pinned), so their compute adds up and only the waits overlap."""
+    if not split:
+        return max(step.learner_s + step.gen_compute_s,
+                   (step.gen_compute_s + step.wait_s) / (staleness + 1)) + step.other_s
+    learner = step.learner_s * LEARNER_SPLIT_SLOWDOWN
+    generator = step.gen_compute_s * GENERATOR_SPLIT_SLOWDOWN
     return max(learner, generator, (generator + step.wait_s) / (staleness + 1)) + step.other_s
 
 

@@ -128,3 +128,15 @@ def test_pinned_async_says_so_from_the_start(tmp_path):
     summary, steps, events = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1))
     assert summary["mode"] == "async" and summary["mode_reason"] == "pinned by buffer.mode"
     assert summary["mode_decided_at_step"] == 0 and events == []
+
+
+def test_on_one_unsplittable_device_only_the_waits_can_hide():
+    # compute-bound on one GPU: overlapping buys nothing, so sync
+    compute = SyncStep(step_s=10.0, learner_s=5.0, gen_compute_s=5.0, wait_s=0.0)
+    assert async_step_s(compute, 3, split=False) == pytest.approx(10.0)
+    assert choose(compute, max_staleness=3, split=False).mode is Mode.SYNC
+    # a judge that waits 30 s a step: hidden behind the compute at staleness 3
+    judged = SyncStep(step_s=40.0, learner_s=5.0, gen_compute_s=5.0, wait_s=30.0)
+    choice = choose(judged, max_staleness=4, split=False)
+    assert choice.mode is Mode.ASYNC and not choice.split and choice.staleness == 3
+    assert choice.predicted_async_s == pytest.approx(10.0)
