@@ -8,11 +8,18 @@ both halves do the same work on the same cores, and sync trains on fresher sampl
 So an auto run decides in one of two ways:
 - the learner has a device of its own (another GPU, or remote generators): async at once, at
   `buffer.max_staleness`;
-- the two share compute: the first `PROBE_STEPS` steps run synchronously on all the cores and
-  measure a sync step (the learner's compute, the generator's compute, and the time the
-  generator sat idle because everything in flight waited on a reward, tool or environment).
-  `choose` then predicts an async step on split cores from those figures and takes async only
-  where it is clearly faster.
+- the two share compute: it measures both. The first `PROBE_STEPS` steps run synchronously on
+  all the cores and measure a sync step (the learner's compute, the generator's compute, and the
+  time the generator sat idle because everything in flight waited on a reward, tool or
+  environment). `choose` predicts an async step from them and picks the staleness for a trial;
+  the next `TRIAL_STEPS` steps run async (split cores), and `judge` keeps async only if it
+  trained at least `ASYNC_MARGIN` times the samples per second that sync did (the first trial
+  step, while the pipeline fills, is not counted). Otherwise the run goes back to sync.
+
+The trial is what decides: the prediction cannot see what overlap changes besides the waits.
+Measured on the sandbox environment (bench/RESULTS.md section 16), async kept 4x as many
+requests in flight, and the CPU engine's throughput grows with its batch, so the generator's
+compute per step shrank instead of growing as the model assumes.
 
 The model of an async step (a pipeline: the learner trains step k while the generator makes
 step k+1's groups, with up to `staleness + 1` steps' worth of groups in flight, so their waits
@@ -37,13 +44,16 @@ from enum import Enum
 from typing import Any
 
 PROBE_STEPS = 2  # sync steps an auto run measures before it decides (the first one includes warm-up)
+TRIAL_STEPS = 3  # then async steps; the first is not counted (the pipeline fills)
+TRIAL_SKIP = 1
 # Split-core costs on a 2-core CPU (bench/RESULTS.md section 7): a learner step on one core took
 # a median 29.2 s against 17.3 s on two (1.7x); the generator lost less (decoding scales
 # sub-linearly with cores: 1.16x to 2x across the measured runs; 1.3 is their middle).
 LEARNER_SPLIT_SLOWDOWN = 1.7
 GENERATOR_SPLIT_SLOWDOWN = 1.3
 # An async step trains on samples up to `staleness` versions old, so it learns a little less than
-# a sync step: async must be predicted clearly faster before it is chosen on shared compute.
+# a sync step: async must be clearly faster before it is kept on shared compute (in bench/RESULTS.md
+# section 3 async made 1.55x the steps of sync on the demo and reached the target no sooner).
 ASYNC_MARGIN = 1.2
 
 
@@ -129,6 +139,13 @@ def async_step_s(step: SyncStep, staleness: int, split: bool) -> float:
     return max(learner, generator, (generator + step.wait_s) / (staleness + 1)) + step.other_s
 
 
+def best_staleness(step: SyncStep, max_staleness: int, split: bool) -> tuple[int, float]:
+    """The smallest staleness (1..max_staleness) whose predicted async step is the shortest, and that step."""
+    options = [(async_step_s(step, s, split), s) for s in range(1, max_staleness + 1)]
+    best = min(t for t, _ in options)
+    return next((s, t) for t, s in options if t <= best * 1.001)
+
+
 def choose(step: SyncStep, max_staleness: int, split: bool, at_step: int = 0) -> Choice:
     """Sync or async from a measured sync step on shared compute. Async takes the smallest
     staleness (at most `max_staleness`) that reaches its best predicted step, and only if that
@@ -136,9 +153,7 @@ def choose(step: SyncStep, max_staleness: int, split: bool, at_step: int = 0) ->
     waits = f"waits {100 * step.wait_share:.0f}% of a sync step ({step.step_s:.1f}s)"
     if max_staleness < 1:
         return Choice(Mode.SYNC, 0, False, "buffer.max_staleness = 0", step, None, at_step)
-    options = [(async_step_s(step, s, split), s) for s in range(1, max_staleness + 1)]
-    best = min(t for t, _ in options)
-    predicted, staleness = next((t, s) for t, s in options if t <= best * 1.001)
+    staleness, predicted = best_staleness(step, max_staleness, split)
     if predicted * ASYNC_MARGIN <= step.step_s:
         return Choice(Mode.ASYNC, staleness, split,
                       f"{waits}; predicted async step {predicted:.1f}s, {step.step_s / predicted:.2f}x shorter",
@@ -166,3 +181,31 @@ def probing(max_staleness: int) -> str:
     """What an auto run on shared compute says before it has decided."""
     return (f"auto: the first {PROBE_STEPS} steps run sync on shared compute and measure; then sync, or async "
             f"at max_staleness <= {max_staleness} if the generator waits enough")
+
+
+def trained_rate(rows: list[dict[str, Any]]) -> float:
+    """Samples trained per second over some step rows (flat groups skipped count as time spent)."""
+    seconds = sum(float(r.get("step_s") or 0.0) for r in rows)
+    return sum(int(r.get("samples") or 0) for r in rows) / seconds if seconds > 0 else 0.0
+
+
+def trial(step: SyncStep, max_staleness: int, split: bool, at_step: int = 0) -> Choice:
+    """The async trial after the sync probe: at the staleness `choose` would take (at least 1)."""
+    staleness, predicted = best_staleness(step, max_staleness, split)
+    waits = f"waits {100 * step.wait_share:.0f}% of a sync step ({step.step_s:.1f}s)"
+    return Choice(Mode.ASYNC, staleness, split, f"trial of {TRIAL_STEPS} async steps; {waits}", step, predicted,
+                  at_step)
+
+
+def judge(sync_rows: list[dict[str, Any]], async_rows: list[dict[str, Any]], tried: Choice,
+          at_step: int) -> Choice:
+    """Keep the trial's async if it trained `ASYNC_MARGIN` times sync's samples per second."""
+    sync_rate, async_rate = trained_rate(sync_rows), trained_rate(async_rows)
+    ratio = async_rate / sync_rate if sync_rate > 0 else float("inf") if async_rate > 0 else 0.0
+    measured = (f"async trained {async_rate:.2f} samples/s against sync's {sync_rate:.2f} ({ratio:.2f}x); "
+                f"sync's step waited {100 * tried.measured.wait_share:.0f}%" if tried.measured else "")
+    if ratio >= ASYNC_MARGIN:
+        return Choice(Mode.ASYNC, tried.staleness, tried.split, measured, tried.measured, tried.predicted_async_s,
+                      at_step)
+    return Choice(Mode.SYNC, 0, False, f"{measured}: not {ASYNC_MARGIN:g}x", tried.measured,
+                  tried.predicted_async_s, at_step)

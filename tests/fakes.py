@@ -4,6 +4,7 @@ them, so tests can assert on the loop's behaviour (admission, lag, aborts, stop 
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -204,11 +205,14 @@ class Trained:
 
 
 class FakeLearner:
-    """Every step is an update (a new version); takes `step_s` seconds; records what it saw."""
+    """Every step is an update (a new version); takes `step_s` seconds (`pinned_step_s` while its
+    thread is pinned to fewer cores than the process has, as on split cores); records what it saw."""
 
-    def __init__(self, names: list[str], generator: FakeGenerator, events: list[str], step_s: float) -> None:
+    def __init__(self, names: list[str], generator: FakeGenerator, events: list[str], step_s: float,
+                 pinned_step_s: float | None = None) -> None:
         self.adapters = {name: _State() for name in names}
         self.generator, self.events, self.step_s = generator, events, step_s
+        self.pinned_step_s = pinned_step_s
         self.trained: list[Trained] = []
 
     def version(self, adapter: str) -> int:
@@ -230,7 +234,8 @@ class FakeLearner:
         state = self.adapters[adapter]
         self.trained.append(Trained(adapter, state.version, [s.policy_lag for s in samples],
                                     [s.version for s in samples], self.generator.in_flight(adapter), samples))
-        time.sleep(self.step_s)
+        split = len(os.sched_getaffinity(0)) < os.cpu_count()  # type: ignore[operator]
+        time.sleep(self.pinned_step_s if split and self.pinned_step_s is not None else self.step_s)
         state.version += 1
         state.weight += 1
         return StepStats(adapter, state.version, True, False, 0.0, 0.0, len(samples),
@@ -260,11 +265,12 @@ class FakeParts:
 
     def __init__(self, names: list[str], gen_delay: Callable[[], float], step_s: float,
                  damage: set[int] = frozenset(), refuse: set[int] = frozenset(),
-                 reply: Callable[[GenRequest, random.Random], str] | None = None, publish_s: float = 0.0) -> None:
+                 reply: Callable[[GenRequest, random.Random], str] | None = None, publish_s: float = 0.0,
+                 pinned_step_s: float | None = None) -> None:
         self.events: list[str] = []
         self.fake_generator = FakeGenerator(gen_delay, self.events, reply=reply)
         self.fake_transport = FakeTransport(self.fake_generator, self.events, damage, refuse, publish_s)
-        self.fake_learner = FakeLearner(names, self.fake_generator, self.events, step_s)
+        self.fake_learner = FakeLearner(names, self.fake_generator, self.events, step_s, pinned_step_s)
 
     def describe(self) -> str:
         return "fake parts"

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from lora_async.config import ConfigError, TrainConfig, load_config
 from lora_async.metrics import read_metrics
-from lora_async.mode import PROBE_STEPS, Mode, SyncStep, async_step_s, choose, initial_choice
+from lora_async.mode import PROBE_STEPS, TRIAL_STEPS, Mode, SyncStep, async_step_s, choose, initial_choice, judge, trial
 from lora_async.orchestrator import train
 
 from .fakes import FakeParts
@@ -84,7 +84,7 @@ def config(tmp_path: Path, reward: str, **buffer) -> TrainConfig:
         "generator": {"groups_in_flight": 8},
         "learner": {"groups_per_step": 2},
         "buffer": {"max_staleness": 2, **buffer},
-        "run": {"max_steps": 7, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 0,
+        "run": {"max_steps": 10, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 0,
                 "chart_every": 0},
         "task": {"type": "jsonl", "path": str(data), "reward": reward, "heldout": 4, "reward_workers": 8},
     })
@@ -96,31 +96,47 @@ def run(cfg: TrainConfig, parts: FakeParts) -> tuple[dict, list[dict], list[dict
     return summary, [r for r in rows if "kind" not in r], [r for r in rows if r.get("kind") == "mode"]
 
 
-def test_auto_turns_async_when_rewards_wait(tmp_path, monkeypatch):
+def test_auto_tries_async_and_keeps_it_when_rewards_wait(tmp_path, monkeypatch):
     (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = config(tmp_path, "slow_reward:reward")
-    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1)
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=0.17)
     summary, steps, events = run(cfg, parts)
-    assert summary["mode"] == "async" and summary["mode_decided_at_step"] == PROBE_STEPS
-    assert summary["mode_staleness"] >= 1 and "waits" in summary["mode_reason"]
+    decided = PROBE_STEPS + TRIAL_STEPS
+    assert summary["mode"] == "async" and summary["mode_decided_at_step"] == decided
+    assert summary["mode_staleness"] >= 1 and "samples/s" in summary["mode_reason"]
     assert summary["mode_sync_wait_s"] > summary["mode_sync_learner_s"]
-    assert len(events) == 1 and events[0]["mode"] == "async"
-    # the probe steps trained on-policy; after the switch, generation ran ahead of the learner
+    assert [(e["mode"], e["trial"]) for e in events] == [("async", True), ("async", False)]
+    # the probe steps trained on-policy; from the trial on, generation ran ahead of the learner
     lags = [r["policy_lag_max"] for r in steps]
     assert lags[:PROBE_STEPS] == [0] * PROBE_STEPS
     assert max(lags[PROBE_STEPS:]) >= 1
-    assert max(lags) <= summary["mode_staleness"]
 
 
-def test_auto_stays_sync_when_nothing_waits(tmp_path):
+def test_auto_goes_back_to_sync_when_the_split_costs_more_than_overlap_gains(tmp_path):
+    # nothing waits, and the learner on its share of the cores takes 3x as long
     cfg = config(tmp_path, "regex:^x")
-    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1)
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=0.3)
     summary, steps, events = run(cfg, parts)
-    assert summary["mode"] == "sync" and "not 1.2x shorter" in summary["mode_reason"]
-    assert [e["mode"] for e in events] == ["sync"]
-    assert all(r["policy_lag_max"] == 0 for r in steps)
+    decided = PROBE_STEPS + TRIAL_STEPS
+    assert summary["mode"] == "sync" and "not 1.2x" in summary["mode_reason"]
+    assert [(e["mode"], e["trial"]) for e in events] == [("async", True), ("sync", False)]
+    # after the decision: on-policy again, and the learner back on every core (not pinned: 0.1 s steps)
+    assert all(r["policy_lag_max"] == 0 for r in steps[decided + 1:])
+    assert all(r["learner_s"] < 0.25 for r in steps[decided + 1:])
+
+
+def test_the_trial_is_judged_on_samples_trained_per_second():
+    step = SyncStep(step_s=30.0, learner_s=5.0, gen_compute_s=24.0, wait_s=0.3)
+    tried = trial(step, max_staleness=3, split=True)
+    assert tried.mode is Mode.ASYNC and tried.staleness >= 1
+    sync_rows = [{"samples": 8, "step_s": 30.0}] * 2
+    faster = [{"samples": 8, "step_s": 12.0}, {"samples": 0, "step_s": 8.0}]  # 8 samples in 20 s vs 16 in 60 s
+    assert judge(sync_rows, faster, tried, 5).mode is Mode.ASYNC
+    slower = [{"samples": 8, "step_s": 28.0}] * 2
+    kept = judge(sync_rows, slower, tried, 5)
+    assert kept.mode is Mode.SYNC and kept.staleness == 0 and "not 1.2x" in kept.reason
 
 
 def test_pinned_async_says_so_from_the_start(tmp_path):
@@ -128,15 +144,3 @@ def test_pinned_async_says_so_from_the_start(tmp_path):
     summary, steps, events = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1))
     assert summary["mode"] == "async" and summary["mode_reason"] == "pinned by buffer.mode"
     assert summary["mode_decided_at_step"] == 0 and events == []
-
-
-def test_on_one_unsplittable_device_only_the_waits_can_hide():
-    # compute-bound on one GPU: overlapping buys nothing, so sync
-    compute = SyncStep(step_s=10.0, learner_s=5.0, gen_compute_s=5.0, wait_s=0.0)
-    assert async_step_s(compute, 3, split=False) == pytest.approx(10.0)
-    assert choose(compute, max_staleness=3, split=False).mode is Mode.SYNC
-    # a judge that waits 30 s a step: hidden behind the compute at staleness 3
-    judged = SyncStep(step_s=40.0, learner_s=5.0, gen_compute_s=5.0, wait_s=30.0)
-    choice = choose(judged, max_staleness=4, split=False)
-    assert choice.mode is Mode.ASYNC and not choice.split and choice.staleness == 3
-    assert choice.predicted_async_s == pytest.approx(10.0)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from ..mode import PROBE_STEPS, Choice, SyncStep, choose, initial_choice, probing
-from ..placement import pin_current_thread, shares_compute, split_placements
+from ..mode import PROBE_STEPS, TRIAL_SKIP, TRIAL_STEPS, Choice, SyncStep, initial_choice, judge, probing, trial
+from ..placement import Placement, available_cpus, pin_current_thread, shares_compute, split_placements
 from ..staleness import StalenessWindow
 
 if TYPE_CHECKING:
@@ -36,16 +36,23 @@ def start_window(choice: Choice | None) -> StalenessWindow:
 
 
 async def observe(run: "Run", row: dict[str, Any]) -> None:
-    """An auto run's step row: after `PROBE_STEPS` of them, decide and apply the choice."""
-    if run.choice is not None:
+    """An auto run's step rows: `PROBE_STEPS` sync ones, then an async trial of `TRIAL_STEPS`;
+    then it keeps the faster (`mode.judge`) and is decided."""
+    if run.choice is not None and not run.trying:
         return
-    run.probe_rows.append(row)
-    if len(run.probe_rows) < PROBE_STEPS:
+    if run.choice is None:  # measuring sync
+        run.probe_rows.append(row)
+        if len(run.probe_rows) == PROBE_STEPS:
+            split = split_placements(run.config) is not None
+            run.trying = True
+            await apply_choice(run, trial(SyncStep.of_rows(run.probe_rows), run.config.buffer.max_staleness, split,
+                                          at_step=run.global_step))
         return
-    split = split_placements(run.config)
-    choice = choose(SyncStep.of_rows(run.probe_rows), run.config.buffer.max_staleness, split is not None,
-                    at_step=run.global_step)
-    await apply_choice(run, choice)
+    run.trial_rows.append(row)
+    if len(run.trial_rows) == TRIAL_STEPS:
+        run.trying = False
+        await apply_choice(run, judge(run.probe_rows, run.trial_rows[TRIAL_SKIP:], run.choice,
+                                      at_step=run.global_step))
 
 
 async def apply_choice(run: "Run", choice: Choice) -> None:
@@ -57,11 +64,12 @@ async def apply_choice(run: "Run", choice: Choice) -> None:
     run.buffer.window = window
     for adapter in run.adapters.values():
         adapter.admission.window = window
-    placements = split_placements(run.config) if choice.split else None
-    if placements is not None:
-        generator, learner = placements
+    placements = split_placements(run.config)
+    if placements is not None:  # split for async; back to every core for sync
+        every = Placement("cpu", frozenset(available_cpus()))  # this (event loop) thread is never pinned
+        generator, learner = placements if choice.split else (every, every)
         await run.in_learner(pin_current_thread, learner)
         await asyncio.to_thread(run.generator.with_receiver, lambda _: pin_current_thread(generator))
     run.console.print(f"mode: {choice.describe()}", highlight=False)
-    run.metrics.event({"kind": "mode", "wall_s": round(run.wall_s, 3), **choice.figures()})
+    run.metrics.event({"kind": "mode", "wall_s": round(run.wall_s, 3), "trial": run.trying, **choice.figures()})
     await run.notify()
