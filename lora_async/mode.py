@@ -179,8 +179,8 @@ def initial_choice(mode: str, max_staleness: int, shared: bool, split: bool) -> 
 
 def probing(max_staleness: int) -> str:
     """What an auto run on shared compute says before it has decided."""
-    return (f"auto: the first {PROBE_STEPS} steps run sync on shared compute and measure; then sync, or async "
-            f"at max_staleness <= {max_staleness} if the generator waits enough")
+    return (f"auto: the first {PROBE_STEPS} steps run sync on shared compute, the next {TRIAL_STEPS} async (at "
+            f"max_staleness <= {max_staleness}); then it keeps the one that trained more samples per second")
 
 
 def trained_rate(rows: list[dict[str, Any]]) -> float:
