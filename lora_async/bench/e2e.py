@@ -89,7 +89,12 @@ def run_e2e_bench(config: TrainConfig, budget: float, out: Path, modes: list[str
     every = [d for dirs in runs.values() for d in dirs]
     score_log = out / "scoring.log"
     log(f"scoring {len(every)} runs' snapshots off the clock ({score_log})")
-    scoring_config = out / f"{modes[0]}-s{seeds[0]}.json"
+    # Scoring measures accuracy, not time: a simulated tool latency would only slow it down.
+    scoring = mode_config(config, modes[0], seeds[0], budget, save_every, out)
+    if scoring.task.type == "env" and scoring.adapters is None:
+        scoring.task.tool_latency = None
+    scoring_config = out / "scoring.json"
+    scoring_config.write_text(json.dumps(scoring.model_dump(mode="json")))
     done = run_logged([sys.executable, "-m", "lora_async.bench.snapshots", "--config", str(scoring_config),
                        *map(str, every)], score_log)
     if done.returncode != 0:
