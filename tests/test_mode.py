@@ -18,10 +18,10 @@ from lora_async.orchestrator import train
 from .fakes import FakeParts
 
 SLOW_REWARD = """
-import time
+import asyncio
 
-def reward(prompt, completion, answer):
-    time.sleep(0.4)  # a sandbox or a judge: the generator has nothing to do meanwhile
+async def reward(prompt, completion, answer):
+    await asyncio.sleep(1.0)  # a sandbox or a judge: the generator has nothing to do meanwhile
     return float(completion.startswith("x"))
 """
 
@@ -76,7 +76,7 @@ def test_async_without_staleness_is_a_one_line_config_error(tmp_path):
 # ---------------------------------------------------------------- auto runs on fakes
 
 
-def config(tmp_path: Path, reward: str, **buffer) -> TrainConfig:
+def config(tmp_path: Path, reward: str, reward_workers: int = 8, **buffer) -> TrainConfig:
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"item {i}", "answer": "-"}) for i in range(80)))
     return TrainConfig.model_validate({
@@ -86,7 +86,8 @@ def config(tmp_path: Path, reward: str, **buffer) -> TrainConfig:
         "buffer": {"max_staleness": 2, **buffer},
         "run": {"max_steps": 10, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 0,
                 "chart_every": 0},
-        "task": {"type": "jsonl", "path": str(data), "reward": reward, "heldout": 4, "reward_workers": 8},
+        "task": {"type": "jsonl", "path": str(data), "reward": reward, "heldout": 4,
+                 "reward_workers": reward_workers},
     })
 
 
@@ -100,7 +101,10 @@ def test_auto_tries_async_and_keeps_it_when_rewards_wait(tmp_path, monkeypatch):
     (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = config(tmp_path, "slow_reward:reward")
+    # an async reward waits without using a core, and every completion in flight waits at once:
+    # sync has one step's 8 completions waiting, async up to (1 + staleness) steps' worth, so the
+    # trial's gain comes from overlap, not from how busy the machine running the test is
+    cfg = config(tmp_path, "slow_reward:reward", reward_workers=64)
     parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=0.17)
     summary, steps, events = run(cfg, parts)
     decided = PROBE_STEPS + TRIAL_STEPS
