@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 13 in one go (under 10 minutes on one GPU): transports (cuda-ipc, nccl),
-# a learner step in bf16 and nf4 on cuda:0, the data-parallel learner on 2 GPUs if present, and
-# the memory plan against torch.cuda.max_memory_allocated. Needs torch, transformers, peft and
-# bitsandbytes (not vLLM). Writes bench/results/gpu_check.json (or $1).
+# The GPU checks in one go (about 70 s on one H200, machine start aside): transports (cuda-ipc;
+# nccl on 2 GPUs), a learner step in bf16 and nf4 on cuda:0, the data-parallel learner on 2 GPUs
+# if present, and the memory plan against torch.cuda.max_memory_allocated. Needs torch,
+# transformers, peft and bitsandbytes (not vLLM). Writes bench/results/gpu_check.json (or $1).
 #
-#   bash bench/gpu_check.sh [OUT.json] [--tokenizer DIR]   # DIR: a tokenizer, on machines without PyPI
+# On the GPU machine lent to sessions, which has no bitsandbytes or pydantic and no network, run
+# `bash bench/gpu_wheels.sh` here first and carry [".whl", ".gpu"]: this script installs the
+# wheels from .whl/ (pip --no-index --target, then PYTHONPATH) and takes the tokenizer from
+# .gpu/tokenizer. `bash bench/gpu_rehearse.sh` runs the same steps here on CPU, in a venv holding
+# only that machine's packages.
+#
+#   bash bench/gpu_check.sh [OUT.json] [--tokenizer DIR] [--device cpu --quick]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench/results/gpu_check.json}"
 shift || true
 python="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
-"$python" -c "import torch, transformers, peft, bitsandbytes" \
-  || { echo "error: gpu_check needs torch, transformers, peft and bitsandbytes" >&2; exit 2; }
-nvidia-smi -L || { echo "error: no NVIDIA GPU here (nvidia-smi failed)" >&2; exit 2; }
-timeout 570 "$python" bench/gpu_check.py --device cuda:0 --out "$out" "$@"
+if ls .whl/*.whl >/dev/null 2>&1 && ! "$python" -c "import bitsandbytes, pydantic, blake3" 2>/dev/null; then
+  site="${TMPDIR:-/tmp}/lora-async-gpu-site"
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+"$python" -c "import torch, transformers, peft, bitsandbytes, pydantic" \
+  || { echo "error: gpu_check needs torch, transformers, peft, bitsandbytes and pydantic (bash bench/gpu_wheels.sh, then carry .whl)" >&2; exit 2; }
+args=("$@")
+if [ -d .gpu/tokenizer ] && [[ " $* " != *" --tokenizer "* ]]; then args+=(--tokenizer .gpu/tokenizer); fi
+if [[ " $* " != *" --device cpu "* ]]; then
+  nvidia-smi -L || { echo "error: no NVIDIA GPU here (nvidia-smi failed)" >&2; exit 2; }
+fi
+PYTHONUNBUFFERED=1 timeout 570 "$python" bench/gpu_check.py --out "$out" "${args[@]}"
 echo "wrote $out"

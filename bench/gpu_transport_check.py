@@ -1,8 +1,9 @@
 """The GPU half of the transports, torch only (the GPU machine has no vLLM).
 
 A sender process packs an r=8 all-linear adapter of SmolLM2-135M's shapes on cuda:0 and hands
-it to a receiver process on the same host by (a) a CUDA IPC handle and (b) an NCCL broadcast
-over a dedicated process group, both through the same code the vLLM worker extension calls
+it to a receiver process on the same host by (a) a CUDA IPC handle (receiver on cuda:0) and (b)
+an NCCL broadcast over a dedicated process group (receiver on cuda:1; skipped on one GPU, where
+NCCL refuses two ranks), both through the same code the vLLM worker extension calls
 (`lora_async.handoff.receive`). The receiver checks every tensor bit for bit and reports timings.
 
     python bench/gpu_transport_check.py [--only cuda-ipc|nccl]   # one JSON line per transport
@@ -46,20 +47,22 @@ def adapter(version: int, device: str) -> AdapterVersion:
 
 
 def receiver(kind: str, port: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
-    torch.cuda.set_device(0)
-    group = CollectiveReceiver("127.0.0.1", port, 1, 2, "nccl", 60, "cuda:0") if kind == "nccl" else None
+    device = "cuda:1" if kind == "nccl" else "cuda:0"  # NCCL refuses two ranks on one GPU
+    torch.cuda.set_device(torch.device(device))
+    group = CollectiveReceiver("127.0.0.1", port, 1, 2, "nccl", 60, device) if kind == "nccl" else None
     while True:
         item = inbox.get()
         if item is None:
             return
         meta, handle = item
         began = time.perf_counter()
-        tensors = group.receive(meta) if group is not None else receive_ipc(handle, meta, "cuda:0")
+        tensors = group.receive(meta) if group is not None else receive_ipc(handle, meta, device)
         torch.cuda.synchronize()
-        elapsed = (time.perf_counter() - began) * 1000
+        done_at = time.perf_counter()  # CLOCK_MONOTONIC: the sender's clock too
+        elapsed = (done_at - began) * 1000
         expected = adapter(meta.version, "cpu")
         ok = all(torch.equal(tensors[k].cpu(), v.to(torch.bfloat16)) for k, v in expected.tensors.items())
-        outbox.put((elapsed, ok))
+        outbox.put((elapsed, ok, done_at))
 
 
 def run(kind: str) -> dict:
@@ -88,8 +91,8 @@ def run(kind: str) -> dict:
             from torch.multiprocessing.reductions import reduce_tensor
 
             inbox.put((meta, pickle.dumps(reduce_tensor(packed.buffer))))
-        elapsed, ok = outbox.get(timeout=120)  # the sender keeps `buffer` alive until this
-        totals.append((time.perf_counter() - began) * 1000)
+        elapsed, ok, done_at = outbox.get(timeout=120)  # the sender keeps `buffer` alive until this
+        totals.append((done_at - began) * 1000)  # pack to received, without the receiver's bit check
         recv.append(elapsed)
         oks.append(ok)
     inbox.put(None)
@@ -104,4 +107,9 @@ if __name__ == "__main__":
         sys.exit("needs a CUDA GPU")
     kinds = sys.argv[sys.argv.index("--only") + 1:][:1] if "--only" in sys.argv else ["cuda-ipc", "nccl"]
     for kind in kinds:
+        if kind == "nccl" and torch.cuda.device_count() < 2:
+            # measured on one H200: "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device"
+            print(json.dumps({"transport": kind, "skipped": "one GPU: NCCL refuses two ranks on one device"}),
+                  flush=True)
+            continue
         print(json.dumps(run(kind)), flush=True)

@@ -192,6 +192,26 @@ def test_rank_placements_split_the_learner_cores_and_keep_gpus_apart(monkeypatch
         resolve("auto", None, "auto", None, True, learner_devices=[f"cuda:{i}" for i in range(4)])
 
 
+def test_nccl_between_a_learner_and_a_generator_on_one_gpu_is_refused_before_anything_loads(monkeypatch):
+    # NCCL refuses two ranks on one device ("Duplicate GPU detected"): measured on an H200
+    from lora_async.config import TrainConfig
+    from lora_async.placement import place_run
+
+    monkeypatch.setattr("lora_async.placement.cuda_available", lambda: True)
+    monkeypatch.setattr("lora_async.placement.gpu_count", lambda: 1)
+    one_gpu = {"generator": {"type": "vllm", "device": "cuda:0", "engine_process": "separate"},
+               "learner": {"device": "cuda:0"}}
+    with pytest.raises(PlacementError, match=r"sync.transport 'nccl' needs the generator on another GPU.*cuda-ipc"):
+        place_run(TrainConfig.model_validate({**one_gpu, "sync": {"transport": "nccl"}}))
+    generator, ranks = place_run(TrainConfig.model_validate({**one_gpu, "sync": {"transport": "cuda-ipc"}}))
+    assert generator.device == ranks[0].device == "cuda:0"
+    monkeypatch.setattr("lora_async.placement.gpu_count", lambda: 2)
+    two = {"generator": {"type": "vllm", "device": "cuda:1", "engine_process": "separate"},
+           "learner": {"device": "cuda:0"}, "sync": {"transport": "nccl"}}
+    generator, ranks = place_run(TrainConfig.model_validate(two))
+    assert (generator.device, ranks[0].device) == ("cuda:1", "cuda:0")
+
+
 def test_a_gpu_this_machine_lacks_exits_2_with_one_line(tmp_path):
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "lora_async", "train", "--set", 'learner.devices=["cuda:7"]'],
