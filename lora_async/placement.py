@@ -195,9 +195,10 @@ def place_run(config: "TrainConfig") -> tuple[Placement, list[Placement]]:
     else:  # `auto` splits the cores only when generation and training run concurrently
         generator, rank0 = resolve(gen.device, gen.cpus, learner.device, learner.cpus,
                                    concurrent=config.buffer.concurrent_from_start, learner_devices=learner.devices)
+        from .config import NcclSync
+
         sync = config.sync_config
-        if getattr(sync, "transport", None) == "nccl" and getattr(sync, "backend", None) == "nccl" \
-                and generator.device == rank0.device:
+        if isinstance(sync, NcclSync) and sync.backend == "nccl" and generator.device == rank0.device:
             # NCCL refuses two ranks on one device ("Duplicate GPU detected"), seen on an H200
             raise PlacementError(f"sync.transport 'nccl' needs the generator on another GPU than the learner "
                                  f"(both on {rank0.device}); on one GPU use sync.transport = 'cuda-ipc'")
