@@ -32,7 +32,7 @@ endef
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(call install_with,dev$(COMMA)ray)
+	$(call install_with,dev$(COMMA)ray$(COMMA)tasks)
 	touch $(STAMP)
 
 demo: install

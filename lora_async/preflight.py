@@ -7,7 +7,9 @@ them it would fail after a multi-minute model load with a traceback. The checks 
 - Ray, for a `generator.type = "ray"` run (the `ray` extra);
 - the installed vLLM release;
 - `generator.quantization`;
-- the learner's bitsandbytes quantisation, probed with one small tensor.
+- the learner's bitsandbytes quantisation, probed with one small tensor;
+- each task's data: a dataset's splits and columns, reasoning-gym and its generators' settings
+  (`tasks.check_task`; reading a local dataset takes a second, a hub dataset downloads once).
 
 None of them loads weights. vLLM is imported only to check a `generator.quantization` on a GPU.
 """
@@ -70,6 +72,16 @@ def check_model(config: "TrainConfig") -> None:
         raise PreflightError(str(exc)) from None
 
 
+def check_tasks(config: "TrainConfig") -> None:
+    from .tasks import TaskDataError, check_task
+
+    for spec in config.adapter_specs():
+        try:
+            check_task(spec.task, spec.task_path)
+        except TaskDataError as exc:
+            raise PreflightError(str(exc)) from None
+
+
 def preflight(config: "TrainConfig") -> None:
     """Every check that needs no model: raises PreflightError on the first that fails."""
     from .placement import PlacementError, place_run
@@ -82,3 +94,4 @@ def preflight(config: "TrainConfig") -> None:
     check_ray(config)
     check_vllm(config, generator)
     check_learner_quantization(config, ranks[0])
+    check_tasks(config)

@@ -69,7 +69,7 @@ def test_eval_max_tokens_falls_back_to_sampling():
     ("[learner]\nlr = \"fast\"\n", "learner.lr"),
     ("[lora]\nrank = 0\n", "lora.rank"),
     ("[buffer]\nstale_policy = \"keep\"\n", "buffer.stale_policy"),
-    ("[task]\ntype = \"chess\"\n", "task.type: unknown 'chess' (use 'arithmetic', 'jsonl' or 'env')"),
+    ("[task]\ntype = \"chess\"\n", "task.type: unknown 'chess' (use 'arithmetic', 'jsonl', 'dataset', 'reasoning-gym' or 'env')"),
     ("[task]\ntype = \"jsonl\"\n", "task.path: required"),
     ("[task]\ntype = \"jsonl\"\npath = \"missing.jsonl\"\n", "task.path: file not found"),
     ("[sampling]\nmax_new_tokens = 5000\n[generator]\nmax_model_len = 1024\n",

@@ -6,7 +6,7 @@ message is one line naming the dotted field and the file; the CLI prints it and 
 
     sections.py  plain tables: model, adapter, lora, sampling, learner, buffer, loss, run
     backends.py  [generator] (union on `type`) and [sync] (union on `transport`)
-    tasks.py     [task] (union on `type`) and fleet entries ([[adapters]])
+    tasks.py     [task] (union on `type`: arithmetic, jsonl, dataset, reasoning-gym, env) and fleet entries
     train.py     TrainConfig: cross-field checks and derived values
     load.py      TOML + overrides -> TrainConfig, migration errors, one-line error messages
 """
@@ -23,13 +23,14 @@ from .sections import (
     ADAPTER_NAME_RE, CPU_LIST_RE, AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, LossConfig, ModelConfig,
     RunConfig, SamplingConfig, Section,
 )
-from .tasks import (AUTO_WORKERS_CAP, ArithmeticTask, EnvTask, FleetAdapter, JsonlTask, TaskConfig, ToolLatency,
-                    auto_workers)
+from .tasks import (AUTO_WORKERS_CAP, ArithmeticTask, DatasetTask, EnvTask, FleetAdapter, JsonlTask, ProblemTask,
+                    ReasoningGymDataset, ReasoningGymTask, TaskConfig, ToolLatency, auto_workers)
 from .train import VLLM_LORA_RANKS, AdapterSpec, TrainConfig, vllm_rank
 
 __all__ = [
     "ADAPTER_NAME_RE", "CPU_LIST_RE", "DEFAULT_SYNC", "ENGINE_HOME_TEXT", "MIGRATIONS", "VLLM_LORA_RANKS",
-    "AdapterConfig", "AdapterSpec", "ArithmeticTask", "BufferConfig", "EnvTask", "ConfigError", "CudaIpcSync", "EngineHome",
+    "AdapterConfig", "AdapterSpec", "ArithmeticTask", "DatasetTask", "ProblemTask",
+    "ReasoningGymDataset", "ReasoningGymTask", "BufferConfig", "EnvTask", "ConfigError", "CudaIpcSync", "EngineHome",
     "FleetAdapter", "GeneratorBase", "GeneratorConfig", "HttpSync", "InprocSync", "JsonlTask", "LearnerConfig",
     "LoraConfig", "LossConfig", "ModelConfig", "NcclSync", "RunConfig", "SamplingConfig", "Section",
     "RayConfig", "RayGeneratorConfig", "RaySync", "ServerGeneratorConfig", "ShmSync", "SyncBase", "SyncConfig", "TaskConfig", "TrainConfig",

@@ -14,12 +14,12 @@ import tomllib
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Sequence, Union, get_args, get_origin
+from typing import Annotated, Any, Iterator, Mapping, Sequence, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
 from .sections import SamplingConfig
-from .tasks import JsonlTask
+from .tasks import DatasetTask, JsonlTask
 from .train import TrainConfig
 
 
@@ -174,31 +174,46 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected dotted.key=value")
     key, raw = text.split("=", 1)
-    key = key.strip()
-    if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
-        raise ConfigError(f"--set {text!r}: {key!r} is not a dotted key")
+    path = _dotted(key.strip(), f"--set {text!r}")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
-    return key.split("."), value
+    return path, value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for text in overrides:
-        path, value = parse_override(text)
+Overrides = Union[Sequence[str], Mapping[str, Any]]  # ["run.max_steps=2"] (as --set), or {"run.max_steps": 2}
+
+
+def apply_overrides(data: dict[str, Any], overrides: Overrides) -> dict[str, Any]:
+    """Set dotted keys in raw config data: `--set` texts (values parsed as TOML), or a mapping
+    of dotted keys to Python values (the Python API's `overrides=`)."""
+    if isinstance(overrides, Mapping):
+        pairs = [(_dotted(key, f"overrides[{key!r}]"), value, f"overrides[{key!r}]")
+                 for key, value in overrides.items()]
+    else:
+        texts = [overrides] if isinstance(overrides, str) else list(overrides)
+        pairs = [(*parse_override(text), f"--set {text!r}") for text in texts]
+    for path, value, label in pairs:
         node = data
         for part in path[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"--set {text!r}: {'.'.join(path[:-1])} is not a section")
+                raise ConfigError(f"{label}: {'.'.join(path[:-1])} is not a section")
             node = child
         node[path[-1]] = value
     return data
 
 
-def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Read TOML (or defaults when path is None), apply `--set` overrides, validate."""
+def _dotted(key: Any, label: str) -> list[str]:
+    if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
+        raise ConfigError(f"{label}: {key!r} is not a dotted key")
+    return key.split(".")
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: Overrides = ()) -> TrainConfig:
+    """Read TOML (or defaults when path is None), apply overrides (`--set` texts, or a mapping of
+    dotted keys to values), validate. Any problem is one `ConfigError` line naming the field."""
     source = str(path) if path is not None else "<defaults>"
     data: dict[str, Any] = {}
     if path is not None:
@@ -209,25 +224,38 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
             data = tomllib.loads(file.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    data = apply_overrides(data, list(overrides))
+    data = apply_overrides(data, overrides)
     if overrides:
-        source += " (with --set)"
+        source += " (with overrides)" if isinstance(overrides, Mapping) else " (with --set)"
     check_migrations(data, source)
     try:
         config = TrainConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source)) from None
+    resolve_task_paths(config, Path(path).parent if path is not None else Path.cwd(), source)
+    return config
+
+
+LOCAL_DATA_SUFFIXES = (".parquet", ".json", ".jsonl", ".csv", ".arrow")  # a dataset path with one is a file
+
+
+def resolve_task_paths(config: TrainConfig, base: Path, source: str) -> None:
+    """Make every task's local file absolute (relative paths are relative to `base`, the config
+    file's folder) and check it exists. A dataset path that names nothing local and looks like
+    no file is a hub id, left as it is."""
     tasks = [("task", config.task)] if config.adapters is None else [
         (f"adapters.{i}.task", entry.task) for i, entry in enumerate(config.adapters)]
     for field_name, task in tasks:
-        if isinstance(task, JsonlTask):
-            task_path = Path(task.path)
-            if not task_path.is_absolute() and path is not None:
-                task_path = Path(path).parent / task_path
-            if not task_path.is_file():
-                raise ConfigError(f"{source}: {field_name}.path: file not found: {task.path}")
+        if not isinstance(task, (JsonlTask, DatasetTask)):
+            continue
+        task_path = Path(task.path).expanduser()
+        if not task_path.is_absolute():
+            task_path = base / task_path
+        if task_path.is_file() if isinstance(task, JsonlTask) else task_path.exists():
             task.path = str(task_path.resolve())
-    return config
+        elif isinstance(task, JsonlTask) or Path(task.path).suffix in LOCAL_DATA_SUFFIXES \
+                or task.path.startswith((".", "/", "~")):
+            raise ConfigError(f"{source}: {field_name}.path: file not found: {task.path}")
 
 
 def dump_config(config: TrainConfig) -> str:

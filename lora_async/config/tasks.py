@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, Field, field_serializer, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, field_serializer, field_validator, model_validator
 from pydantic_core.core_schema import SerializationInfo
 
 from .sections import AdapterConfig, LoraConfig, SamplingConfig, Section
@@ -82,17 +82,14 @@ class RewardFields(Section):
         return self
 
 
-class JsonlTask(RewardFields):
-    type: Literal["jsonl"] = Field("jsonl", description="'jsonl': prompts and answers from a JSONL file.")
-    path: str = Field(..., description="JSONL file with one record per line (relative to the config file).")
-    prompt_field: str = Field("prompt", description="Record field holding the prompt: text, or a list of chat "
-                                                    "messages ({'role', 'content'}).")
-    answer_field: str = Field("answer", description="Record field holding the reference answer.")
+class ProblemRewards(RewardFields):
+    """A problem set scored against its reference answers: the rewards and the system prompt."""
+
     reward: Union[RewardSpec, list[RewardSpec]] = Field(
         "exact", description="'exact', 'numeric', 'regex:<pattern>' or a user 'module:function', or a list of "
                              "them (combined by reward_weights).")
-    heldout: int = Field(0, ge=0, description="Records at the end of the file held out for eval.")
-    system_prompt: str | None = Field(None, description="System message (None = the model's default).")
+    system_prompt: str | None = Field(None, description="System message (None = the model's default; a chat "
+                                                        "prompt's own system message wins).")
 
     @field_validator("reward")
     @classmethod
@@ -100,6 +97,79 @@ class JsonlTask(RewardFields):
         if isinstance(value, list) and not value:
             raise ValueError("give at least one reward function")
         return value
+
+
+class JsonlTask(ProblemRewards):
+    type: Literal["jsonl"] = Field("jsonl", description="'jsonl': prompts and answers from a JSONL file.")
+    path: str = Field(..., description="JSONL file with one record per line (relative to the config file).")
+    prompt_field: str = Field("prompt", description="Record field holding the prompt: text, or a list of chat "
+                                                    "messages ({'role', 'content'}).")
+    answer_field: str = Field("answer", description="Record field holding the reference answer.")
+    heldout: int = Field(0, ge=0, description="Records at the end of the file held out for eval.")
+
+
+class DatasetTask(ProblemRewards):
+    """A Hugging Face dataset, read with the `datasets` library (the `tasks` extra)."""
+
+    type: Literal["dataset"] = Field("dataset", description="'dataset': a Hugging Face dataset (the `datasets` "
+                                                            "library; install lora-async[tasks]).")
+    path: str = Field(..., description="A local parquet, JSON/JSONL or CSV file, a directory written by "
+                                       "save_to_disk, or a hub id such as 'openai/gsm8k' (relative paths: to "
+                                       "the config file).")
+    name: str | None = Field(None, description="The dataset's configuration (a hub dataset's subset, e.g. 'main').")
+    split: str = Field("train", description="The split to train on.")
+    prompt_column: str = Field("prompt", description="Column holding the prompt: text, or a list of chat messages "
+                                                     "({'role', 'content'}).")
+    answer_column: str = Field("answer", description="Column holding the reference answer.")
+    heldout_split: str | None = Field(None, description="A split to evaluate on (e.g. 'test'); never trained on.")
+    heldout_share: float = Field(0.0, ge=0.0, lt=1.0, description="Share of the training split held out for "
+                                                                  "evaluation instead (drawn by task.seed).")
+    heldout_limit: int = Field(256, ge=1, le=1_000_000, description="Evaluate on at most this many held-out rows "
+                                                                    "(the first ones).")
+    heldout_seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the held-out share's draw (kept apart "
+                                                                 "from run.seed, so every seed evaluates alike).")
+
+    @model_validator(mode="after")
+    def _one_heldout(self) -> "DatasetTask":
+        if self.heldout_split is not None and self.heldout_share > 0:
+            raise ValueError("heldout_split and heldout_share: give one of them, not both")
+        if self.heldout_split is not None and self.heldout_split == self.split:
+            raise ValueError(f"heldout_split: {self.heldout_split!r} is the training split; use heldout_share "
+                             "to hold out part of it")
+        return self
+
+
+class ReasoningGymDataset(Section):
+    """One reasoning-gym dataset: its share of training problems, and its own settings."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)  # the dataset's settings, as it names them
+
+    weight: float = Field(1.0, gt=0.0, le=1000.0, description="Share of training problems (relative to the others).")
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The keys other than `weight`: passed to the dataset's config as they are."""
+        return dict(self.model_extra or {})
+
+
+class ReasoningGymTask(Section):
+    """Procedural problems from reasoning-gym (the `tasks` extra), scored by its own scorers."""
+
+    type: Literal["reasoning-gym"] = Field("reasoning-gym", description="'reasoning-gym': generated problems of "
+                                                                        "reasoning-gym datasets (lora-async[tasks]).")
+    datasets: dict[str, ReasoningGymDataset] = Field(
+        ..., min_length=1, description="Dataset name -> {weight, and the dataset's own settings}, e.g. "
+                                       "[task.datasets.chain_sum] weight = 1, min_terms = 2.")
+    heldout: int = Field(200, ge=0, le=100_000, description="Held-out problems, drawn with their own seed.")
+    heldout_seed: int = Field(1_000_003, ge=0, le=2**31 - 1,
+                              description="Seed of the held-out problems (training problems use run.seed).")
+    extract: Literal["last_line", "tag", "full"] = Field(
+        "last_line", description="What the scorer reads: the completion's last non-empty line, the text inside "
+                                 "the last <tag>...</tag>, or the whole completion.")
+    tag: str = Field("answer", pattern=r"^[A-Za-z][\w-]*$", description="The tag extract='tag' reads.")
+    system_prompt: str | None = Field(None, description="System message (None = one that asks for the answer in "
+                                                        "the form `extract` reads).")
+    reward_timeout_s: float = Field(5.0, gt=0, le=3600, description="Per-call limit of a scorer.")
 
 
 class ToolLatency(Section):
@@ -133,7 +203,9 @@ class EnvTask(RewardFields):
                           "or web API would ({median_s, sigma}); off by default.")
 
 
-TaskConfig = Annotated[Union[ArithmeticTask, JsonlTask, EnvTask], Field(discriminator="type")]
+TaskConfig = Annotated[Union[ArithmeticTask, JsonlTask, DatasetTask, ReasoningGymTask, EnvTask],
+                       Field(discriminator="type")]
+ProblemTask = Union[ArithmeticTask, JsonlTask, DatasetTask, ReasoningGymTask]  # the single-turn ones
 
 
 def default_types(data: Any, **tags: str) -> Any:

@@ -17,7 +17,7 @@ from .sections import (
     AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, LossConfig, ModelConfig, RunConfig, SamplingConfig,
     Section,
 )
-from .tasks import ArithmeticTask, EnvTask, FleetAdapter, JsonlTask, TaskConfig, default_types
+from .tasks import ArithmeticTask, EnvTask, FleetAdapter, ProblemTask, TaskConfig, default_types
 
 # vLLM accepts only these `max_lora_rank` values.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -36,7 +36,7 @@ class AdapterSpec:
     """One adapter as the run sees it, fleet overrides resolved."""
 
     name: str
-    task: ArithmeticTask | JsonlTask | EnvTask
+    task: ProblemTask | EnvTask
     lora: LoraConfig
     lr: float
     weight: float

@@ -9,15 +9,17 @@ contract the orchestrator and `evaluate` use (`rollout.RolloutSource`).
 
 from __future__ import annotations
 
-from ..config import AdapterSpec, ArithmeticTask, EnvTask, JsonlTask, TrainConfig, auto_workers
+from ..config import (AdapterSpec, ArithmeticTask, DatasetTask, EnvTask, JsonlTask, ProblemTask, ReasoningGymTask,
+                      TrainConfig, auto_workers)
 from ..rewards import RewardError
 from ..rollout import RolloutSource
-from .problems import Problem, RewardStats, Task, render_prompt
+from .problems import Problem, RewardStats, Task, TaskDataError, render_prompt
 
-__all__ = ["Problem", "RewardStats", "Task", "make_source", "make_task", "render_prompt", "RewardError"]
+__all__ = ["Problem", "RewardStats", "Task", "TaskDataError", "check_task", "make_source", "make_task",
+           "render_prompt", "RewardError"]
 
 
-def make_task(config: ArithmeticTask | JsonlTask | EnvTask, seed: int, in_flight: int = 1) -> Task:
+def make_task(config: ProblemTask | EnvTask, seed: int, in_flight: int = 1) -> Task:
     """The problem set of a single-turn `[task]` table; `in_flight` completions at once size its
     reward pools unless `reward_workers` says."""
     if isinstance(config, EnvTask):
@@ -26,9 +28,32 @@ def make_task(config: ArithmeticTask | JsonlTask | EnvTask, seed: int, in_flight
         from .arithmetic import ArithmeticProblems
 
         return ArithmeticProblems(config, seed)
+    if isinstance(config, ReasoningGymTask):
+        from .reasoning_gym import ReasoningGymProblems
+
+        return ReasoningGymProblems(config, seed)
+    if isinstance(config, DatasetTask):
+        from .dataset import DatasetProblems
+
+        return DatasetProblems(config, seed, auto_workers(config.reward_workers, in_flight))
     from .jsonl import JsonlProblems
 
     return JsonlProblems(config, seed, auto_workers(config.reward_workers, in_flight))
+
+
+def check_task(config: ProblemTask | EnvTask, where: str) -> None:
+    """What can be checked of a task's data before any model loads: the extra it needs is
+    installed, its dataset has the configured splits and columns, its generators take their
+    settings. Raises `TaskDataError`, one line naming the field (`where` is the table:
+    "task", "adapters.2.task")."""
+    if isinstance(config, DatasetTask):
+        from .dataset import check_dataset
+
+        check_dataset(config, where)
+    elif isinstance(config, ReasoningGymTask):
+        from .reasoning_gym import check_reasoning_gym
+
+        check_reasoning_gym(config, where)
 
 
 def make_source(spec: AdapterSpec, config: TrainConfig, seed: int) -> RolloutSource:

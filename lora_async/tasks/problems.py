@@ -11,6 +11,12 @@ from ..rollout import RewardStats  # the counters every rollout source keeps (re
 Messages = list[dict[str, str]]
 
 
+class TaskDataError(ValueError):
+    """A task's data that cannot be used as configured: a missing split or column, a library
+    that is not installed, a generator setting it refuses. One line naming the dotted field;
+    `train` exits with code 2 (found by the preflight, before any model loads)."""
+
+
 @dataclass(frozen=True)
 class Problem:
     index: int  # position in the training stream (or in the held-out list)
