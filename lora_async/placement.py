@@ -85,20 +85,20 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if cuda_available() else 0
 
 
-def check_devices(devices: list[str] | None) -> None:
-    """Every `cuda:N` of `learner.devices` exists here: checked before any model loads, so a
-    wrong list fails in seconds with one line instead of deep inside a rank's start."""
-    wanted = [d for d in devices or () if d != "cpu"]
+def check_devices(devices: list[str] | None, field: str = "learner.devices") -> None:
+    """Every `cuda:N` of `devices` (the config's `field`) exists here: checked before any model
+    loads, so a wrong device fails in seconds with one line instead of deep inside a rank's start."""
+    wanted = [d for d in devices or () if d.startswith("cuda")]
     if not wanted:
         return
     count = gpu_count()
     if count == 0:
-        raise PlacementError(f"learner.devices: {', '.join(wanted)} named, but this machine has no CUDA "
-                             "device; use 'cpu' ranks or leave learner.devices out")
-    missing = [d for d in wanted if int(d.split(":")[1]) >= count]
+        raise PlacementError(f"{field}: {', '.join(wanted)} named, but this machine has no CUDA "
+                             "device; use 'cpu' or 'auto'")
+    missing = [d for d in wanted if (int(d.split(":")[1]) if ":" in d else 0) >= count]
     if missing:
         have = "cuda:0 only" if count == 1 else f"cuda:0 to cuda:{count - 1}"
-        raise PlacementError(f"learner.devices: {', '.join(missing)} does not exist (this machine has {have})")
+        raise PlacementError(f"{field}: {', '.join(missing)} does not exist (this machine has {have})")
 
 
 def free_gpu(taken: list[str]) -> str:
@@ -189,6 +189,9 @@ def place_run(config: "TrainConfig") -> tuple[Placement, list[Placement]]:
     `auto` cores are split only for a run pinned async: an auto run starts on shared cores and
     splits them if it turns async (`split_placements`). Raises `PlacementError`."""
     gen, learner = config.local_engine, config.learner
+    check_devices([learner.device], "learner.device")
+    if gen is not None and gen.device is not None:
+        check_devices([gen.device], "generator.device")
     if gen is None:  # servers or Ray replicas: only the learner is placed
         generator, rank0 = resolve(None, None, learner.device, learner.cpus, concurrent=False,
                                    learner_devices=learner.devices)

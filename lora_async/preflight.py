@@ -75,7 +75,7 @@ def check_model(config: "TrainConfig") -> None:
 def check_tasks(config: "TrainConfig") -> None:
     from .tasks import TaskDataError, check_task
 
-    for spec in config.adapter_specs():
+    for spec in config.adapter_specs:
         try:
             check_task(spec.task, spec.task_path)
         except TaskDataError as exc:

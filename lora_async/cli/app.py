@@ -11,8 +11,8 @@ from rich.console import Console
 
 from ..config import ConfigError
 from .bench import bench_app
-from .common import CONFIG_HELP, SET_HELP, fail, load_or_exit
-from .plan import memory_gate, plan_command
+from .common import CONFIG_HELP, SET_HELP, fail, load_or_exit, warn
+from .plan import PLAN_HINT, plan_command
 
 app = typer.Typer(
     name="lora-async",
@@ -36,39 +36,18 @@ def train(
 ) -> None:
     """Train LoRA adapters with async GRPO-style RL while vLLM keeps generating."""
     cfg = load_or_exit(config, set_)
-    from ..quiet import quiet_start
-
-    quiet_start(cfg.run.engine_log)  # before the preflight imports torch: some settings are read at its import
-    from ..preflight import PreflightError, preflight
-
-    try:  # devices this machine lacks, another vLLM, a bitsandbytes that cannot load: seconds, no model
-        preflight(cfg)
-    except PreflightError as exc:
-        fail(str(exc), code=2)
-    memory_gate(cfg, force)  # `lora-async plan`'s check, still before anything loads: one line, exit 2
-    import asyncio
-
-    from ..generator.ray.cluster import RayError
-    from ..generator.server.client import ServerError
-    from ..generator.types import GeneratorDead
-    from ..generator.vllm.compat import VllmCompatError
-    from ..models import ModelError
-    from ..orchestrator import TrainingError, train as run_train
-    from ..sync.transports import TransportError
-    from ..envs.source import EnvLoadError
-    from ..tasks import RewardError
+    from ..api import exit_code, prepare, run
 
     try:
-        summary = asyncio.run(run_train(cfg, resume=resume))
-    except EnvLoadError as exc:  # a config mistake found when the environment is loaded
-        fail(str(exc), code=2)
-    except (TrainingError, ModelError, RewardError, TransportError, ServerError, GeneratorDead,
-            VllmCompatError, RayError) as exc:
-        fail(str(exc), code=1)
+        prepare(cfg, force, warn=warn, hint=PLAN_HINT)  # seconds, no model: one line and exit 2 on a problem
+        run(cfg, resume)
     except KeyboardInterrupt:
         fail("interrupted; the last checkpoint is in run.output_dir (use --resume)", code=130)
-    if "error" in summary:
-        fail(summary["error"], code=1)
+    except Exception as exc:
+        code = exit_code(exc)
+        if code is None:
+            raise
+        fail(str(exc), code=code)
 
 
 @app.command("eval")

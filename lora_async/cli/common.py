@@ -1,4 +1,4 @@
-"""What every command shares: config loading with one-line errors (exit code 2), and `fail`."""
+"""What every command shares: config loading with one-line errors (exit code 2), `fail` and `warn`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import NoReturn, Optional
 import typer
 from rich.console import Console
 
+from ..api import warn
 from ..config import ConfigError, TrainConfig, load_config
 
 SET_HELP = "Override a config field: --set dotted.key=value (repeatable), e.g. --set learner.lr=1e-4"

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 import typer
 from rich.console import Console
 
-from .common import CONFIG_HELP, SET_HELP, fail, load_or_exit
+from .common import CONFIG_HELP, SET_HELP, fail, load_or_exit, warn
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -62,26 +62,10 @@ def machine_for(gpus: Optional[int], gpu_memory_gb: Optional[float]) -> "Machine
 
 def memory_gate(cfg: "TrainConfig", force: bool) -> None:
     """`train`'s check before anything loads: refuse in one line (exit 2) a run the plan says
-    cannot fit, unless `force`. Silent when it fits; a model whose config.json is not on disk
-    (a hub id not downloaded yet) is a warning, not a refusal."""
-    from ..plan import Machine, PlanUnavailable, load_shape, plan_run
-    from ..plan.knobs import find_knobs
-    from ..plan.report import verdict
-    from ..plan.shapes import NothingToPlan
+    cannot fit, unless `force` (`plan.gate.memory_gate`)."""
+    from ..plan.gate import PlanRefused, memory_gate as gate
 
-    err = Console(stderr=True)
     try:
-        machine = Machine.this()
-        shape = load_shape(cfg.model.name)
-        plan = plan_run(cfg, machine, shape)
-    except NothingToPlan:
-        return  # the run's own checks say what is wrong, in their one line
-    except PlanUnavailable as exc:
-        err.print(f"[yellow]warning:[/] memory plan skipped: {exc}", highlight=False, soft_wrap=True)
-        return
-    if plan.fits:
-        return
-    line = f"{verdict(plan, find_knobs(cfg, machine, shape, plan))} ({PLAN_HINT})"
-    if not force:
-        fail(line, code=2)
-    err.print(f"[yellow]warning:[/] {line}; starting anyway (--force)", highlight=False, soft_wrap=True)
+        gate(cfg, force, warn, PLAN_HINT)
+    except PlanRefused as exc:
+        fail(str(exc), code=2)

@@ -236,6 +236,17 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Overrides = ()) 
     return config
 
 
+def with_overrides(config: TrainConfig, overrides: Overrides) -> TrainConfig:
+    """A copy of `config` with dotted keys set, validated as `load_config` validates."""
+    data = apply_overrides(json.loads(dump_config(config)), overrides)
+    source = "<TrainConfig> (with overrides)"
+    check_migrations(data, source)
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from None
+
+
 LOCAL_DATA_SUFFIXES = (".parquet", ".json", ".jsonl", ".csv", ".arrow")  # a dataset path with one is a file
 
 

@@ -13,8 +13,8 @@
 | `lifecycle.py` | building the parts, resume, signals, teardown |
 """
 
-from .lifecycle import LocalParts, Parts
+from .lifecycle import LocalParts, Parts, StopSwitch
 from .loop import train, train_step
 from .state import Phase, Run, TrainingError
 
-__all__ = ["LocalParts", "Parts", "Phase", "Run", "TrainingError", "train", "train_step"]
+__all__ = ["LocalParts", "Parts", "Phase", "Run", "StopSwitch", "TrainingError", "train", "train_step"]

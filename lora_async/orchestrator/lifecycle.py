@@ -12,8 +12,9 @@ import asyncio
 import concurrent.futures
 import json
 import signal
+import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from rich.console import Console
 
@@ -184,8 +185,38 @@ def restore(run: Run, state: RunState) -> None:
         adapter.counters = Counters.from_dict(state.counters.get(name, {}))
 
 
-def install_stop_signals(run: Run) -> None:
-    """SIGINT/SIGTERM stop after the current step with a checkpoint; a second one aborts."""
+class StopSwitch:
+    """A stop request from another thread, which asks exactly what a signal asks: the first
+    stops after the current step with a checkpoint, a second aborts at once. The Python API
+    uses it when the run has its own thread (a notebook's event loop is already running): the
+    caller's thread gets Ctrl-C and pulls the switch. A request before the run starts waits
+    for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._target: tuple[asyncio.AbstractEventLoop, Callable[[], None]] | None = None
+        self._pending = 0
+
+    def attach(self, run: Run) -> None:
+        """Called on the run's event loop once the run exists."""
+        with self._lock:
+            self._target, pending, self._pending = (asyncio.get_running_loop(), run.request_stop), self._pending, 0
+        for _ in range(pending):
+            run.request_stop()
+
+    def request(self) -> None:
+        with self._lock:
+            if self._target is None:
+                self._pending += 1
+                return
+            loop, request_stop = self._target
+        loop.call_soon_threadsafe(request_stop)
+
+
+def install_stop_signals(run: Run, stop: StopSwitch | None = None) -> None:
+    """SIGINT/SIGTERM (or `stop`) stop after the current step with a checkpoint; a second one aborts."""
+    if stop is not None:
+        stop.attach(run)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:

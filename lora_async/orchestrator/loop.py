@@ -26,7 +26,7 @@ from ..buffer import Group
 from ..config import TrainConfig
 from .auto import observe
 from .batches import start_collectors
-from .lifecycle import Parts, finish_run, install_stop_signals, setup_run, stop_workers
+from .lifecycle import Parts, StopSwitch, finish_run, install_stop_signals, setup_run, stop_workers
 from .periodic import after_step, evaluate_all, save_snapshot
 from .publish import publish_and_record, publish_initial
 from .rollouts import ROLLOUT_TAG, start_producers
@@ -37,12 +37,14 @@ READY_POLL_S = 1.0  # how often the idle main loop re-checks the limits and the 
 
 
 async def train(config: TrainConfig, resume: bool = False, console: Console | None = None,
-                on_step: Callable[[Run], Any] | None = None, parts: Parts | None = None) -> dict[str, Any]:
+                on_step: Callable[[Run], Any] | None = None, parts: Parts | None = None,
+                stop: StopSwitch | None = None) -> dict[str, Any]:
     """Run training until a limit, a stop signal or a failure; return the summary.
 
     The shutdown order, whatever ended the run:
     1. the main loop leaves: every adapter did `run.max_steps`, the time budget is spent, a
-       signal asked to stop (after the current step), or `Run.fail` recorded an error;
+       signal (or `stop`, pulled from another thread) asked to stop after the current step, or
+       `Run.fail` recorded an error;
     2. producers, collectors and the time board's sampler are cancelled (groups still generating
        or buffered are dropped; on resume their prompts are skipped);
     3. pending publishes finish, so every step has its metrics line (`finish_run`);
@@ -56,7 +58,7 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
     # What a user waited for before training began (imports, model build, engine start).
     run.metrics.event({"kind": "start", "startup_s": round(time.time() - psutil.Process().create_time(), 2),
                        "resumed": resume})
-    install_stop_signals(run)
+    install_stop_signals(run, stop)
     workers: list[asyncio.Task] = []
     try:
         await publish_initial(run)

@@ -126,7 +126,9 @@ def run_summary(run: Run) -> dict[str, Any]:
                                "samples_in": run.buffer.counters.samples_in,
                                "dropped_stale": run.buffer.counters.dropped_stale,
                                "stale_tokens_corrected": run.buffer.counters.stale_tokens_corrected,
-                               "output_dir": str(run.out_dir)}
+                               "output_dir": str(run.out_dir),
+                               # "done" (a limit), "requested" (Ctrl-C or SIGTERM: stopped after a step), "failed"
+                               "ended": run.phase.value}
     for name, adapter in run.adapters.items():
         prefix = "" if len(run.adapters) == 1 else f"{name}."
         counters = adapter.counters
