@@ -99,6 +99,10 @@ def no_step(index, split):
 not_callable = 3
 
 
+def needs_a_download(index, split):
+    raise LookupError("\\n******\\n  Resource 'words' not found.\\n  Please use the NLTK Downloader\\n******")
+
+
 def by_turns(turns, completion, **fields):
     """A user episode reward, called by keyword: 1/turns, and 0 unless the last reply was an "x"."""
     return 1.0 / turns if completion.startswith("x") else 0.0
@@ -290,6 +294,7 @@ def test_an_episode_that_fills_the_context_ends_truncated(tmp_path, env_module):
     ("fake_envs:nothing", "has no 'nothing'"),
     ("fake_envs:not_callable", "not a factory"),
     ("fake_envs:no_step", "no step method"),
+    ("fake_envs:needs_a_download", r"raised LookupError: \*+ \.\.\.$"),  # another library's multi-line error
 ])
 def test_an_unusable_environment_fails_at_startup_naming_the_field(tmp_path, env_module, spec, message):
     cfg = config(tmp_path, env=spec)

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..buffer import Group, TrainSample, group_advantages
 from ..config import EnvTask
+from ..errors import error_line
 from ..outcomes import EpisodeStats, Outcome
 from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext
 from ..config import auto_workers
@@ -50,8 +51,7 @@ def load_object(spec: str, where: str) -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:
-        raise EnvLoadError(f"{where} = {spec!r}: cannot import {module_name!r} "
-                           f"({type(exc).__name__}: {exc})") from None
+        raise EnvLoadError(f"{where} = {spec!r}: cannot import {module_name!r} ({error_line(exc)})") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise EnvLoadError(f"{where} = {spec!r}: module {module_name!r} has no {attr!r}")
@@ -81,7 +81,7 @@ class EnvSource:
             probe = self.factory(0, "train")
         except Exception as exc:
             raise EnvLoadError(f"{where} = {config.env!r}: calling it as (0, 'train') raised "
-                               f"{type(exc).__name__}: {exc}") from None
+                               f"{error_line(exc)}") from None
         try:
             check_env(probe, f"{where} = {config.env!r}")
             self.tools = list(getattr(probe, "tools", []) or [])
