@@ -32,6 +32,12 @@ from lora_async.preflight import PreflightError
 from .test_train import make_config
 
 
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # user reward modules and relative task files are found from here
+    return tmp_path
+
+
 # ---------------------------------------------------------------- unit tier
 
 
@@ -78,6 +84,16 @@ def test_a_config_built_in_code_takes_overrides_and_resolves_task_files(tmp_path
         train(TrainConfig(task=JsonlTask(path="missing.jsonl")))
     with pytest.raises(ConfigError, match=r"run.max_steps: "):
         with_overrides(cfg, {"run.max_steps": 0})
+
+
+@pytest.mark.parametrize("field, overrides", [
+    ("reward", {"task.type": "jsonl", "task.path": "p.jsonl", "task.reward": "__main__:score"}),
+    ("env", {"task.type": "env", "task.env": "__main__:make"}),
+])
+def test_a_function_defined_in_a_notebook_cell_is_refused_with_what_to_do(in_tmp, field: str, overrides: dict) -> None:
+    (in_tmp / "p.jsonl").write_text('{"prompt": "hi", "answer": "1"}\n')
+    with pytest.raises(ConfigError, match=rf"task.{field}: a function in __main__ .* put it in a .py file"):
+        load_config(None, overrides=overrides)
 
 
 def test_train_runs_the_cli_preflight_before_anything_loads(tmp_path: Path) -> None:
@@ -150,12 +166,6 @@ def test_an_error_in_the_run_thread_reaches_the_caller() -> None:
 
 
 # ---------------------------------------------------------------- slow tier: real runs on the tiny model
-
-
-@pytest.fixture
-def in_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # user reward modules are imported from the working directory
-    return tmp_path
 
 
 def steps_in(out: Path) -> list[int]:

@@ -30,8 +30,14 @@ class ArithmeticTask(Section):
     system_prompt: str | None = Field(None, description="System message (None = the model's default).")
 
 
+MAIN_SPEC_TEXT = ("a function in __main__ (a notebook cell, or the script itself) cannot be imported by the worker "
+                  "processes: put it in a .py file beside the notebook and name it 'file:function'")
+
+
 def check_reward_spec(value: str) -> str:
     """One reward: 'exact', 'numeric', 'regex:<pattern>' or 'module:function'."""
+    if value.startswith("__main__:"):
+        raise ValueError(MAIN_SPEC_TEXT)
     if value in ("exact", "numeric"):
         return value
     if value.startswith("regex:"):
@@ -46,6 +52,8 @@ def check_reward_spec(value: str) -> str:
 
 
 def check_user_spec(value: str) -> str:
+    if value.startswith("__main__:"):
+        raise ValueError(MAIN_SPEC_TEXT)
     if not re.fullmatch(SPEC_RE, value):
         raise ValueError(f"{value!r} must be 'module:function'")
     return value
@@ -182,8 +190,7 @@ class ToolLatency(Section):
 
 class EnvTask(RewardFields):
     type: Literal["env"] = Field("env", description="'env': multi-turn episodes of a user or builtin environment.")
-    env: str = Field(..., pattern=SPEC_RE,
-                     description="'module:factory' called as factory(index, split) -> environment.")
+    env: UserSpec = Field(..., description="'module:factory' called as factory(index, split) -> environment.")
     max_turns: int = Field(8, ge=1, le=1000, description="Model replies per episode at most (then it ends, reward 0).")
     heldout: int = Field(64, ge=0, le=100_000, description="Held-out episodes for evaluation (split 'eval').")
     reward: Union[UserSpec, list[UserSpec], None] = Field(
