@@ -172,8 +172,9 @@ class ReasoningGymTask(Section):
     heldout_seed: int = Field(1_000_003, ge=0, le=2**31 - 1,
                               description="Seed of the held-out problems (training problems use run.seed).")
     extract: Literal["last_line", "tag", "full"] = Field(
-        "last_line", description="What the scorer reads: the completion's last non-empty line, the text inside "
-                                 "the last <tag>...</tag>, or the whole completion.")
+        "last_line", description="What the scorer reads: the completion's last non-empty line (a labelled line, "
+                                 "'The answer is 7.', gives what follows the label, without the final period), the "
+                                 "text inside the last <tag>...</tag>, or the whole completion.")
     tag: str = Field("answer", pattern=r"^[A-Za-z][\w-]*$", description="The tag extract='tag' reads.")
     system_prompt: str | None = Field(None, description="System message (None = one that asks for the answer in "
                                                         "the form `extract` reads).")

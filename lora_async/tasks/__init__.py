@@ -19,9 +19,9 @@ __all__ = ["Problem", "RewardStats", "Task", "TaskDataError", "check_task", "mak
            "render_prompt", "RewardError"]
 
 
-def make_task(config: ProblemTask | EnvTask, seed: int, in_flight: int = 1) -> Task:
+def make_task(config: ProblemTask | EnvTask, seed: int, in_flight: int = 1, where: str = "task") -> Task:
     """The problem set of a single-turn `[task]` table; `in_flight` completions at once size its
-    reward pools unless `reward_workers` says."""
+    reward pools unless `reward_workers` says. Errors name the table `where` ("adapters.2.task")."""
     if isinstance(config, EnvTask):
         raise ValueError(f"an environment task ({config.env}) has no problem set; use make_source")
     if isinstance(config, ArithmeticTask):
@@ -31,11 +31,11 @@ def make_task(config: ProblemTask | EnvTask, seed: int, in_flight: int = 1) -> T
     if isinstance(config, ReasoningGymTask):
         from .reasoning_gym import ReasoningGymProblems
 
-        return ReasoningGymProblems(config, seed)
+        return ReasoningGymProblems(config, seed, where)
     if isinstance(config, DatasetTask):
         from .dataset import DatasetProblems
 
-        return DatasetProblems(config, seed, auto_workers(config.reward_workers, in_flight))
+        return DatasetProblems(config, seed, auto_workers(config.reward_workers, in_flight), where)
     from .jsonl import JsonlProblems
 
     return JsonlProblems(config, seed, auto_workers(config.reward_workers, in_flight))
@@ -72,4 +72,5 @@ def make_source(spec: AdapterSpec, config: TrainConfig, seed: int) -> RolloutSou
                          in_flight)
     from .source import SingleTurnSource
 
-    return SingleTurnSource(make_task(spec.task, seed, in_flight), spec.name, spec.sampling, spec.eval_max_tokens)
+    return SingleTurnSource(make_task(spec.task, seed, in_flight, spec.task_path), spec.name, spec.sampling,
+                            spec.eval_max_tokens)
