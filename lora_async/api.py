@@ -70,10 +70,12 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     from .orchestrator import StopSwitch, TrainingError, train as run_train
 
     stop = StopSwitch()
-    if _loop_running():
-        summary = _in_own_thread(lambda: asyncio.run(run_train(cfg, resume=resume, stop=stop)), stop)
-    else:  # signals reach the run's loop directly (the main thread), as in the CLI
-        summary = asyncio.run(run_train(cfg, resume=resume, stop=stop))
+
+    def body() -> dict[str, Any]:
+        return asyncio.run(run_train(cfg, resume=resume, stop=stop))
+
+    # Without a running loop here, signals reach the run's loop directly (the main thread), as in the CLI.
+    summary = _in_own_thread(body, stop) if _loop_running() else body()
     if "error" in summary:
         raise TrainingError(summary["error"])
     return summary

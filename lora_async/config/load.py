@@ -227,19 +227,18 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Overrides = ()) 
     data = apply_overrides(data, overrides)
     if overrides:
         source += " (with overrides)" if isinstance(overrides, Mapping) else " (with --set)"
-    check_migrations(data, source)
-    try:
-        config = TrainConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source)) from None
+    config = validated(data, source)
     resolve_task_paths(config, Path(path).parent if path is not None else Path.cwd(), source)
     return config
 
 
 def with_overrides(config: TrainConfig, overrides: Overrides) -> TrainConfig:
     """A copy of `config` with dotted keys set, validated as `load_config` validates."""
-    data = apply_overrides(json.loads(dump_config(config)), overrides)
-    source = "<TrainConfig> (with overrides)"
+    return validated(apply_overrides(json.loads(dump_config(config)), overrides), "<TrainConfig> (with overrides)")
+
+
+def validated(data: dict[str, Any], source: str) -> TrainConfig:
+    """Raw config data as a `TrainConfig`: old keys refused, then validated; one `ConfigError` line."""
     check_migrations(data, source)
     try:
         return TrainConfig.model_validate(data)

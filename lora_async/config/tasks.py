@@ -131,7 +131,7 @@ class DatasetTask(ProblemRewards):
     answer_column: str = Field("answer", description="Column holding the reference answer.")
     heldout_split: str | None = Field(None, description="A split to evaluate on (e.g. 'test'); never trained on.")
     heldout_share: float = Field(0.0, ge=0.0, lt=1.0, description="Share of the training split held out for "
-                                                                  "evaluation instead (drawn by task.seed).")
+                                                                  "evaluation instead (drawn by heldout_seed).")
     heldout_limit: int = Field(256, ge=1, le=1_000_000, description="Evaluate on at most this many held-out rows "
                                                                     "(the first ones).")
     heldout_seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the held-out share's draw (kept apart "

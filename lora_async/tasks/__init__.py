@@ -9,7 +9,7 @@ contract the orchestrator and `evaluate` use (`rollout.RolloutSource`).
 
 from __future__ import annotations
 
-from ..config import (AdapterSpec, ArithmeticTask, DatasetTask, EnvTask, JsonlTask, ProblemTask, ReasoningGymTask,
+from ..config import (AdapterSpec, ArithmeticTask, DatasetTask, EnvTask, ProblemTask, ReasoningGymTask,
                       TrainConfig, auto_workers)
 from ..rewards import RewardError
 from ..rollout import RolloutSource

@@ -193,12 +193,12 @@ class ReasoningGymProblems:
     name = "reasoning-gym"
 
     def __init__(self, config: ReasoningGymTask, seed: int, where: str = "task") -> None:
-        self.config, self.seed = config, seed
+        self.config, self.seed, self.where = config, seed, where
         library = load_library(where)
         self.names = list(config.datasets)
         self.weights = [config.datasets[n].weight for n in self.names]
         self.system_prompt: str | None = (config.system_prompt if config.system_prompt is not None
-                              else default_system_prompt(config.extract, config.tag))
+                                          else default_system_prompt(config.extract, config.tag))
         self.stats = RewardStats()
         self._train = {n: create_dataset(library, n, s, seed, where) for n, s in config.datasets.items()}
         held = {n: create_dataset(library, n, s, config.heldout_seed, where) for n, s in config.datasets.items()}
@@ -240,9 +240,9 @@ class ReasoningGymProblems:
             entry = dataset[rng.randrange(len(dataset))]
             if entry["question"] not in self._heldout_questions:
                 return self._problem(index, name, entry)
-        raise TaskDataError(f"task: training problem {index}: {MAX_DRAWS} draws in a row were held-out questions; "
-                            "the held-out split covers nearly all problems: lower task.heldout or widen the "
-                            "datasets' settings")
+        raise TaskDataError(f"{self.where}.heldout: training problem {index}: {MAX_DRAWS} draws in a row were "
+                            f"held-out questions; the held-out split covers nearly all problems: lower {self.where}.heldout "
+                            "or widen the datasets' settings")
 
     def heldout(self) -> list[Problem]:
         return list(self._heldout)
