@@ -3,7 +3,8 @@
 `model.quantization = "nf4"` loads every linear layer of the base as 4-bit NormalFloat with
 double quantisation (the QLoRA recipe); `"int8"` as LLM.int8() weights. Embeddings, norms and
 the LM head stay at the compute dtype. The LoRA weights are trained at full precision either
-way, so the adapter is an ordinary PEFT adapter that vLLM serves beside the unquantised base.
+way, so the adapter is an ordinary PEFT adapter. vLLM serves it on these same weights,
+dequantised (`served_base.py`), so both halves compute from the same numbers.
 
 peft's `prepare_model_for_kbit_training` is not used. What it does is cast the non-quantised
 weights (norms, embeddings, LM head) to float32, turn on reentrant gradient checkpointing, and
@@ -92,7 +93,29 @@ def load_base(model_dir: Path, dtype: str, quantization: str, device: torch.devi
         quantization_config=quantization_config(quantization, compute))
     for param in base.parameters():
         param.requires_grad_(False)
+    one_kernel_path(base)
     return base
+
+
+def one_kernel_path(base: torch.nn.Module) -> None:
+    """Make every bitsandbytes layer compute as its training forward does, whatever the mode:
+    dequantise the weight to the input's dtype, then an ordinary matmul.
+
+    bitsandbytes 0.50 switches kernels on the module's mode and the input. On a CPU with
+    AVX512-BF16, a 4-bit layer in eval mode given an input that needs no grad repacks its weight
+    and runs a kernel that rounds the activations to bfloat16, 1.4% off a float32 matmul; from
+    then on every call takes it. An int8 layer in eval mode quantises its inputs to int8 as
+    well. The learner's layers are in eval mode (no dropout), and its first layers' inputs need
+    no grad, so without this one learner computed with two kernels, and no served copy of its
+    weights could match it. With it, `served_base.learner_weights` reads off exactly the
+    weights the learner multiplies by. Call it again after anything sets the model's mode."""
+    import bitsandbytes as bnb
+
+    for module in base.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+        elif isinstance(module, bnb.nn.Linear8bitLt):
+            module.training = True  # its `state.is_training`: dequantise, then matmul (MatMul8bitFp on CPU)
 
 
 def quiet_int8_casts() -> None:

@@ -24,7 +24,7 @@ from ..generator.types import AdapterVersion
 from ..generator.validate import peft_config_dict
 from ..loss import LossStats, has_gradient, policy_loss
 from ..placement import Placement
-from .frozen_base import load_base, quiet_int8_casts
+from .frozen_base import load_base, one_kernel_path, quiet_int8_casts
 from .logprobs import completion_logprobs
 from .packing import build_micro_batch, plan_step
 
@@ -130,6 +130,8 @@ class Learner:
         assert model is not None, "a learner needs at least one adapter"
         self.model = model
         self.model.train(any(lora.dropout > 0 for lora, _ in adapters.values()))
+        if quantization != "none":
+            one_kernel_path(self.model)  # again: setting the mode above reset the int8 layers'
         if learner.gradient_checkpointing:
             # transformers checkpoints a decoder layer only while that layer is in training mode;
             # the model stays in eval mode (no dropout), so only the layers themselves are marked.
