@@ -15,13 +15,16 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, TYPE_CHECKING, Iterator
 
 from rich.console import Console
 
 from .adapters import AdapterStore
 from .bench.proc import free_port, stop_group
 from .config import vllm_rank
+
+if TYPE_CHECKING:
+    from .learner.served_base import Recipe
 
 SHUTDOWN_GRACE_S = 30.0  # how long the server gets to stop before it is killed
 
@@ -48,7 +51,7 @@ def served_adapters(run_dir: Path) -> list[ServedAdapter]:
 
 
 def server_command(run_dir: Path, host: str, port: int, max_model_len: int, kv_cache_gb: float) -> tuple[list[str], list[ServedAdapter], Path]:
-    from .models import resolve_model
+    from .learner.served_base import run_base
 
     config_file = run_dir / "config.json"
     if not config_file.is_file():
@@ -56,7 +59,7 @@ def server_command(run_dir: Path, host: str, port: int, max_model_len: int, kv_c
     adapters = served_adapters(run_dir)
     if not adapters:
         raise FileNotFoundError(f"{run_dir} has no stored adapters (adapters/<name>/v<k>/)")
-    model_dir = resolve_model(json.loads(config_file.read_text())["model"]["name"])
+    model_dir, _ = run_base(run_dir)  # the base the run's generator served: its adapters' own
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", "base",
@@ -133,11 +136,15 @@ def training_server(model_dir: Path, max_lora_rank: int, max_loras: int = 4, max
 
 def serve_for_training(model: str, host: str, port: int, max_lora_rank: int, max_loras: int,
                        max_model_len: int = 1024, kv_cache_gb: float = 1.0, api_key: str | None = None,
-                       console: Console | None = None) -> int:
+                       console: Console | None = None, recipe: "Recipe | None" = None) -> int:
     from .models import resolve_model
 
     console = console or Console(stderr=True)
     model_dir = resolve_model(model, console)
+    if recipe is not None:
+        from .learner.served_base import served_base
+
+        model_dir = served_base(model_dir, recipe, console)
     cmd, env = training_server_command(model_dir, host, port, max_lora_rank, max_loras, max_model_len,
                                        kv_cache_gb, api_key)
     console.print(f"serving {model_dir} as 'base' for training runs at http://{host}:{port}\n"

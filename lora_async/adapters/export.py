@@ -38,10 +38,11 @@ def _export_merged(run_dir: Path, stored: StoredVersion, dest: Path) -> Path:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..models import resolve_model
+    from ..learner.served_base import run_base
 
-    model_name = json.loads((run_dir / "config.json").read_text())["model"]["name"]
-    model_dir = resolve_model(model_name)
+    # The base the run's generator served: for a quantised learner, its weights dequantised, so the
+    # merged model computes what training sampled from.
+    model_dir, _ = run_base(run_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, stored.path).merge_and_unload()
     tmp = dest.with_name(f".{dest.name}.tmp")

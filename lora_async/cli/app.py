@@ -187,12 +187,26 @@ def training_server(
     max_model_len: int = typer.Option(1024, "--max-model-len"),
     kv_cache_gb: float = typer.Option(1.0, "--kv-cache-gb", help="KV cache size (CPU)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LORA_ASYNC_API_KEY"),
+    quantization: str = typer.Option(
+        "none", "--quantization", help="The run's model.quantization: nf4/int8 serve the learner's quantised base "
+                                       "dequantised (generator.base = 'learner'), built once and cached."),
+    learner_dtype: str = typer.Option("float32", "--learner-dtype", help="The run's learner compute dtype."),
+    learner_device: str = typer.Option("cpu", "--learner-device", help="Where the run's learner quantises: cpu or cuda."),
 ) -> None:
     """A vLLM server that training runs drive remotely (generator.type = "server")."""
     from ..serve import serve_for_training
 
+    recipe = None
+    if quantization != "none":
+        from ..learner.served_base import Recipe
+
+        if quantization not in ("nf4", "int8") or learner_dtype not in ("float32", "bfloat16") \
+                or learner_device not in ("cpu", "cuda"):
+            fail("--quantization takes none, nf4 or int8; --learner-dtype float32 or bfloat16; --learner-device "
+                 "cpu or cuda", code=2)
+        recipe = Recipe(quantization, learner_dtype, learner_device)
     raise typer.Exit(serve_for_training(model, host, port, max_lora_rank, max_loras, max_model_len,
-                                        kv_cache_gb, api_key))
+                                        kv_cache_gb, api_key, recipe=recipe))
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -34,6 +34,12 @@ class GeneratorBase(Section):
 
     groups_in_flight: int = Field(16, ge=1, le=4096, description="Prompt groups kept generating at once.")
     max_model_len: int = Field(1024, ge=64, le=1_048_576, description="Prompt + completion token limit.")
+    base: Literal["learner", "original"] = Field(
+        "learner", description="The base served when model.quantization is nf4/int8: 'learner' (the learner's own "
+                               "quantised weights, dequantised; built once and cached), so both halves compute from "
+                               "the same numbers; 'original': the checkpoint as it is (the 4-bit rounding then shows "
+                               "as a logprob gap). No effect without model.quantization.",
+    )
 
     @property
     def engine_home(self) -> EngineHome:

@@ -49,7 +49,8 @@ class ModelConfig(Section):
     )
     quantization: Literal["none", "nf4", "int8"] = Field(
         "none", description="How the learner holds the frozen base: 'none' (at learner.dtype), 'nf4' (4-bit "
-                            "QLoRA) or 'int8', both with bitsandbytes. The generator serves the unquantised base.",
+                            "QLoRA) or 'int8', both with bitsandbytes. The generator serves these weights dequantised "
+                            "(generator.base).",
     )
 
 

@@ -22,19 +22,22 @@ __all__ = ["AdapterVersion", "Delivery", "GenRequest", "GenResult", "Generator",
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
+    from ..learner.served_base import Recipe
     from ..placement import Placement
 
 
-def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement") -> Generator[Any]:
+def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement",
+                   recipe: "Recipe | None" = None) -> Generator[Any]:
     """The generator `[generator]` names: an engine of our own ("vllm"), remote servers ("server"),
-    or engine replicas on Ray ("ray")."""
+    or engine replicas on Ray ("ray"), serving `model_dir` (the learner's dequantised base, built
+    by `recipe`, when the run serves it)."""
     from ..config import RayGeneratorConfig, ServerGeneratorConfig
 
     gen = config.generator
     if isinstance(gen, RayGeneratorConfig):
         from .ray.generator import RayGenerator
 
-        return RayGenerator.from_config(config, gen, model_dir)
+        return RayGenerator.from_config(config, gen, model_dir, recipe)
     if isinstance(gen, ServerGeneratorConfig):
         from .server import ServerGenerator
 

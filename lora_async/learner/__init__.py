@@ -8,6 +8,7 @@
 | `packing.py` | prompt trees and token-budget micro-batches |
 | `logprobs.py` | chunked log-softmax over the vocabulary |
 | `frozen_base.py` | loading the frozen base (or nf4/int8 with bitsandbytes) and the quantise probe |
+| `served_base.py` | the generator's base for a quantised learner: the learner's weights, dequantised and cached |
 """
 
 from .learner import Accumulated, Learner, StepStats, Update, step_stats

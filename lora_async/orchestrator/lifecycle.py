@@ -55,6 +55,8 @@ class LocalParts:
     when it names several), each on its placement."""
 
     def __init__(self, config: TrainConfig, console: Console, out_dir: Path) -> None:
+        from ..learner import served_base
+        from ..learner.served_base import generator_base as served_generator_base
         from ..models import resolve_model
         from ..placement import PlacementError, place_run
 
@@ -65,6 +67,9 @@ class LocalParts:
             raise TrainingError(str(exc)) from None
         self.learner_placement = self.rank_placements[0]  # rank 0 runs on the learner thread
         self.model_dir = resolve_model(config.model.name, console)
+        self.base_dir, self.base_recipe = served_generator_base(config, self.model_dir, self.learner_placement.device,
+                                                                console)
+        served_base.record(out_dir, config.model.name, self.base_dir, self.base_recipe)
         gen = config.generator
         if gen.type == "server":
             self.where = f"vllm serve at {', '.join(gen.urls)}"
@@ -86,7 +91,9 @@ class LocalParts:
                  f"generator on {self.where}, learner on {learner}"]
         quantization = config.model.quantization
         if quantization != "none":
-            lines.append(f"learner base: {quantization} (bitsandbytes); the generator serves the unquantised base")
+            served = (f"{self.base_recipe.describe()} ({self.base_dir})" if self.base_recipe is not None
+                      else 'the original checkpoint (generator.base = "original")')
+            lines.append(f"learner base: {quantization} (bitsandbytes); the generator serves {served}")
         return "\n".join(lines)
 
     def tokenizer(self) -> Any:
@@ -97,7 +104,14 @@ class LocalParts:
     def generator(self) -> Generator:
         from ..generator import make_generator
 
-        return make_generator(self.config, self.model_dir, self.generator_placement)
+        generator = make_generator(self.config, self.base_dir, self.generator_placement, self.base_recipe)
+        if self.base_recipe is not None and self.config.generator.type == "server":
+            try:
+                generator.check_base(self.base_dir, self.base_recipe.server_command(self.config.model.name))  # type: ignore[attr-defined]
+            except Exception:
+                generator.close()
+                raise
+        return generator
 
     def transport(self, generator: Generator) -> Transport:
         from ..sync.factory import make_transport

@@ -80,6 +80,19 @@ class ServerGenerator:
             raise ServerError(f"the servers serve different base models: {sorted(names)}")
         return names.pop()
 
+    def check_base(self, expected: Path, command: str) -> None:
+        """Every server serves `expected` (the learner's dequantised base, `learner.served_base`),
+        judged by the directory name vLLM reports as the base model's root: entries are named by
+        their content hash, so the name matches on any machine that built the same base."""
+        for url in self.client.urls:
+            models = self.client.served(url)
+            root = str(next(m for m in models if not m.get("parent")).get("root") or "")
+            if Path(root).name != expected.name:
+                raise ServerError(
+                    f"generator.base = 'learner': the server at {url} serves {root or 'an unnamed base'}, not the "
+                    f"learner's quantised base ({expected.name}); start it with `{command}`, or set "
+                    "generator.base = 'original'")
+
     # ---------------------------------------------------------------- the Generator protocol
     def submit(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
         if self._closed:
