@@ -155,6 +155,33 @@ def test_quantisation_orders_the_weights() -> None:
     assert packed / shape.linear_params == pytest.approx(0.516, abs=0.001)
 
 
+@pytest.mark.parametrize("overrides, says", [
+    ((), ""),
+    (("model.quantization=nf4",), "the learner's nf4 base dequantised to bfloat16"),
+    (("model.quantization=int8", "learner.dtype=float32"), "the learner's int8 base dequantised to float32"),
+    (("model.quantization=nf4", "generator.base=original"), "the original checkpoint"),
+])
+def test_the_plan_says_which_base_the_generator_serves(overrides: tuple[str, ...], says: str) -> None:
+    """Its memory is a full-precision base's either way; the plan names it, and the disk the
+    learner's dequantised copy takes."""
+    shape = fixture_shape("qwen3-8b")
+    cfg = config("model.name=" + str(FIXTURES / "qwen3-8b"), "model.dtype=bfloat16", *overrides)
+    plan = plan_run(cfg, TWO_24GB, shape)
+    generator = next(d for d in plan.devices if d.device == "cuda:0")
+    weights = next(i for i in generator.items if i.name.startswith("base weights"))
+    assert weights.bytes == shape.total_params * 2
+    if not says:
+        assert plan.served == ""
+        return
+    assert says in plan.served
+    if "dequantised" in says:
+        itemsize = 4 if "float32" in says else 2
+        assert f"({shape.total_params * itemsize / GIB:.2f} GiB on disk)" in plan.served
+        assert "dequantised" in weights.detail
+    else:
+        assert weights.detail == "unquantised"
+
+
 def test_checkpointing_lowers_activations() -> None:
     off = plan_run(config("model.name=" + str(FIXTURES / "qwen3-8b")), TWO_24GB)
     on = plan_run(config("model.name=" + str(FIXTURES / "qwen3-8b"), "learner.gradient_checkpointing=true"), TWO_24GB)

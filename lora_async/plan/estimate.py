@@ -82,6 +82,7 @@ class Plan:
     activations: dict[str, int]  # the first learner rank's, checkpointing "off" and "on"
     kv_tokens: int | None
     dtypes: dict[str, str]
+    served: str = ""  # which base the generator serves, when the learner's is quantised
 
     @property
     def fits(self) -> bool:
@@ -201,7 +202,9 @@ def generator_items(config: "TrainConfig", gen: "VllmGeneratorConfig", shape: Mo
         items = [Item(part, f"base weights, 4-bit + {dtype}", weights, "vLLM bitsandbytes")]
     else:
         weights = shape.total_params * b
-        items = [Item(part, f"base weights, {dtype}", weights, "unquantised")]
+        learners = config.model.quantization != "none" and config.generator.base == "learner"
+        items = [Item(part, f"base weights, {dtype}", weights,
+                      f"learner's {config.model.quantization}, dequantised" if learners else "unquantised")]
     spec = EngineSpec(Path("."), tuple(config.adapter_names), config.buffer.window, config.max_lora_rank)
     # vLLM sizes a slot for every linear layer it can adapt, at max_lora_rank, in the model dtype.
     slot = shape.lora_params(spec.max_lora_rank, "all-linear") * b
@@ -283,7 +286,20 @@ def plan_run(config: "TrainConfig", machine: Machine, shape: ModelShape | None =
                    for ckpt in ("off", "on")}
     dtypes = {"learner": learner_dtype} | ({"generator": gen_dtype} if gen_dtype else {})
     return Plan(config.model.name, shape.total_params, machine, where, list(devices.values()), problems,
-                activations, kv_tokens, dtypes)
+                activations, kv_tokens, dtypes, served_base_text(config, shape.total_params * b, learner_dtype))
+
+
+def served_base_text(config: "TrainConfig", disk: int, learner_dtype: str) -> str:
+    """Which base the generator serves when the learner's is quantised (its memory is the same
+    either way: a full-precision base)."""
+    quantization = config.model.quantization
+    if quantization == "none":
+        return ""
+    if config.generator.base == "original":
+        return (f"generator base: the original checkpoint (generator.base = 'original'); the learner's {quantization} "
+                "rounding shows as a logprob gap between the two")
+    return (f"generator base: the learner's {quantization} base dequantised to {learner_dtype}, built once and "
+            f"cached ({disk / GIB:.2f} GiB on disk); the generator's memory is that of any full-precision base")
 
 
 def _processes(where: Layout) -> dict[str, int]:

@@ -46,6 +46,8 @@ def notes(plan: Plan) -> list[str]:
              f"{gib(plan.activations['on'])} GiB with it"]
     if plan.kv_tokens is not None:
         lines.append(f"generator KV cache: {plan.kv_tokens:,} tokens")
+    if plan.served:
+        lines.append(plan.served)
     if plan.layout.generator is None:
         lines.append("generator: not on this machine's plan (remote servers or Ray replicas); each replica holds "
                      "one engine as generator.type = \"vllm\" would")
@@ -104,7 +106,7 @@ def as_json(plan: Plan, knobs: list[Knob]) -> dict[str, Any]:
                                for i in d.items]} for d in plan.devices],
         "activations_bytes": {"checkpointing_off": plan.activations["off"],
                               "checkpointing_on": plan.activations["on"]},
-        "kv_cache_tokens": plan.kv_tokens, "problems": plan.problems,
+        "kv_cache_tokens": plan.kv_tokens, "generator_base": plan.served, "problems": plan.problems,
         "knobs": [{"set": list(k.settings), "fits": k.fits, "need_bytes": k.need} for k in knobs],
         "verdict": verdict(plan, knobs),
     }
