@@ -6,7 +6,11 @@ The run has four parts:
    `torch.cuda.max_memory_allocated`;
 3. the data-parallel learner on `cuda:0` and `cuda:1`, if there are 2 GPUs, against one rank
    on the same batches;
-4. the memory plan's learner estimate for the same settings, beside what was measured.
+4. the memory plan's learner estimate for the same settings, beside what was measured;
+5. the generator's base for an nf4 learner (`learner/served_base.py`) exported from an
+   8B-shaped checkpoint (Llama-3.1-8B's shape, random bf16 weights written here): the time to
+   load and quantise it as the learner does, read off every layer's weight and write the copy,
+   and the GPU memory that takes.
 
 The model has SmolLM2-135M's shape with random weights, built here, so nothing is downloaded.
 The tokenizer comes from `--tokenizer` (a directory). Left out, it is lora-async's embedded
@@ -51,6 +55,83 @@ def build_model(out: Path, tokenizer_dir: Path, quick: bool) -> Path:
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=8192,
+                rope_theta=500000.0, rms_norm_eps=1e-5)
+
+
+def random_checkpoint(out: Path, shape: dict, tokenizer_dir: Path, device: str, shard_gb: float = 4.0) -> int:
+    """A checkpoint of `shape` with random bf16 weights, written one shard at a time without
+    building the model (an 8B one would need 16 GB of host memory at once); returns its bytes."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         dtype="bfloat16")
+    with torch.device("meta"):
+        names = [(n, p.shape) for n, p in LlamaForCausalLM(config).named_parameters()]
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    shard: dict[str, torch.Tensor] = {}
+    size = total = index = 0
+    weight_map = {}
+
+    def flush() -> None:
+        nonlocal shard, size, index
+        index += 1
+        save_file(shard, str(out / f"model-{index:05d}.safetensors"), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, f"model-{index:05d}.safetensors"))
+        shard, size = {}, 0
+
+    for name, dims in names:
+        value = (torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+        if name.endswith("norm.weight"):
+            value = torch.ones(dims, dtype=torch.bfloat16, device=device)
+        shard[name] = value.cpu()
+        size += value.numel() * 2
+        total += value.numel() * 2
+        if size >= shard_gb * 2**30:
+            flush()
+    if shard:
+        flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return total
+
+
+def served_base_export(device: str, tokenizer_dir: Path, work: Path, quick: bool) -> dict:
+    """Part 5: the nf4 learner's base, dequantised for the generator, from an 8B-shaped model."""
+    import shutil
+
+    from lora_async.learner.served_base import Recipe, export_base
+
+    shape = dict(LLAMA_8B, num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2) if quick else LLAMA_8B
+    source, entry = work / "export-source", work / "export-base"
+    shutil.rmtree(source, ignore_errors=True)
+    began = time.perf_counter()
+    written = random_checkpoint(source, shape, tokenizer_dir, device)
+    write_s = time.perf_counter() - began
+    recipe = Recipe("nf4", "bfloat16" if device.startswith("cuda") else "float32", torch.device(device).type)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    began = time.perf_counter()
+    record = export_base(source, recipe, entry)
+    export_s = time.perf_counter() - began
+    peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+    out_bytes = sum(p.stat().st_size for p in entry.glob("*.safetensors"))
+    result = {"shape": "llama-3.1-8b" + (" (2 small layers: --quick)" if quick else ""), "recipe": recipe.__dict__,
+              "source_gb": round(written / 1e9, 2), "source_write_s": round(write_s, 1),
+              "export_s": round(export_s, 1), "export_gb": round(out_bytes / 1e9, 2), "tensors": record["tensors"],
+              "peak_gpu_allocated_gb": None if peak is None else round(peak / 1e9, 2)}
+    shutil.rmtree(source, ignore_errors=True)
+    shutil.rmtree(entry, ignore_errors=True)
+    print(f"served base export: {result}", file=sys.stderr)
+    return result
 
 
 def batch(samples: int, prompt: int, completion: int, seed: int = 0) -> list:
@@ -166,6 +247,9 @@ def main() -> None:
         report["data_parallel"] = data_parallel(["cpu", "cpu"], model_dir, dtype, args)
     else:
         report["data_parallel"] = "skipped: one GPU"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))  # what is measured so far, should the export not finish
+    report["served_base_export"] = served_base_export(args.device, args.tokenizer, args.work, args.quick)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

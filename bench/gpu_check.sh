@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks in one go (about 70 s on one H200, machine start aside): transports (cuda-ipc;
-# nccl on 2 GPUs), a learner step in bf16 and nf4 on cuda:0, the data-parallel learner on 2 GPUs
-# if present, and the memory plan against torch.cuda.max_memory_allocated. Needs torch,
+# The GPU checks in one go: transports (cuda-ipc; nccl on 2 GPUs), a learner step in bf16 and nf4
+# on cuda:0, the data-parallel learner on 2 GPUs if present, the memory plan against
+# torch.cuda.max_memory_allocated (about 70 s on one H200, machine start aside), and the nf4
+# generator base exported from an 8B-shaped checkpoint (32 GB of disk; not yet run on a GPU,
+# estimated 2-3 minutes). Needs torch,
 # transformers, peft and bitsandbytes (not vLLM). Writes bench/results/gpu_check.json (or $1).
 #
 # On the GPU machine lent to sessions, which has no bitsandbytes or pydantic and no network, run

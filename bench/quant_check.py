@@ -6,8 +6,11 @@ For each variant a fresh subprocess builds the learner on the embedded SmolLM2-1
 - peak RSS above the process's baseline after imports;
 - the base's weight footprint;
 - the mean and max |logprob| gap to the float32 base on fixed probe texts (teacher-forced,
-  base model, adapter off). That gap is what the generator's unquantised base adds to
-  `logprob_mismatch`.
+  base model, adapter off). That gap is what a generator serving the original base
+  (`generator.base = "original"`) adds to `logprob_mismatch`;
+- for nf4 and int8, the time to export the generator's base (the learner's weights,
+  dequantised: `learner/served_base.py`) and the same probe gap between an unquantised learner
+  on that base and the quantised learner: what the default `generator.base = "learner"` leaves.
 
     .venv/bin/python bench/quant_check.py [--steps 3] [--variants float32,bfloat16,nf4,int8] > bench/results/quant.json
 """
@@ -83,10 +86,36 @@ def measure(variant: str, steps: int, samples: int, completion: int) -> dict:
         ids = tokenizer(text)["input_ids"]
         probes.append(TrainSample("main", 0, ids[:3], ids[3:], [0.0] * (len(ids) - 3), 0.0, 0.0))
     logprobs = [lp for row in learner.logprobs(None, probes) for lp in row]
-    return {"variant": variant, "dtype": dtype, "quantization": quantization, "load_s": round(load_s, 2),
-            "step_s": [round(t, 3) for t in times], "step_s_median": round(statistics.median(times), 3),
-            "tokens_per_step": samples * completion, "weights_mb": round(footprint, 1),
-            "peak_rss_above_baseline_mb": round(peak_rss_mb() - baseline, 1), "probe_logprobs": logprobs}
+    row = {"variant": variant, "dtype": dtype, "quantization": quantization, "load_s": round(load_s, 2),
+           "step_s": [round(t, 3) for t in times], "step_s_median": round(statistics.median(times), 3),
+           "tokens_per_step": samples * completion, "weights_mb": round(footprint, 1),
+           "peak_rss_above_baseline_mb": round(peak_rss_mb() - baseline, 1), "probe_logprobs": logprobs}
+    if quantization != "none":
+        row.update(served_base_gap(model_dir, dtype, quantization, probes, logprobs))
+    return row
+
+
+def served_base_gap(model_dir, dtype: str, quantization: str, probes: list, quantised: list[float]) -> dict:
+    """The generator's base for this learner (`learner/served_base.py`): the time to export it,
+    and the probe gap between an unquantised learner on it and the quantised learner."""
+    import tempfile
+
+    from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+    from lora_async.learner import Learner
+    from lora_async.learner.served_base import Recipe, export_base
+    from lora_async.placement import Placement
+
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        entry = Path(tmp) / "base"
+        export_base(model_dir, Recipe(quantization, dtype, "cpu"), entry)
+        export_s = time.perf_counter() - started
+        plain = Learner(entry, {"main": (LoraConfig(rank=8), 1e-4)}, LearnerConfig(dtype=dtype), LossConfig(),
+                        Placement("cpu", None), 1.0, 0, "none")
+        served = [lp for row in plain.logprobs(None, probes) for lp in row]
+    gaps = [abs(a - b) for a, b in zip(served, quantised)]
+    return {"export_s": round(export_s, 2), "logprob_gap_vs_served_base_mean": statistics.fmean(gaps),
+            "logprob_gap_vs_served_base_max": max(gaps)}
 
 
 def main() -> None:
