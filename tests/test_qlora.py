@@ -151,6 +151,35 @@ def test_the_cache_is_rebuilt_when_the_checkpoint_or_the_quantisation_changes(ti
     assert torch.equal(checkpoint(second)[name], before)
 
 
+def test_a_full_disk_or_a_killed_build_loses_nothing(tiny_model, bases, monkeypatch):
+    """Too little disk for the copy is one line naming what it needs and the ways out, and
+    leaves no entry; a build killed half-way leaves a temporary directory that the next build
+    removes (it holds the entry's lock, so no builder is alive there)."""
+    import shutil
+    from collections import namedtuple
+
+    from lora_async.learner import served_base as module
+    from lora_async.learner.served_base import Recipe, ServedBaseError, served_base
+
+    recipe = Recipe("nf4", "float32", "cpu")
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(module.shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 10 << 20))
+    with pytest.raises(ServedBaseError) as caught:
+        served_base(tiny_model, recipe)
+    message = str(caught.value)
+    assert "GB free" in message and "LORA_ASYNC_CACHE" in message and "generator.base = 'original'" in message
+    assert "\n" not in message
+    assert not [p for p in bases.iterdir() if p.is_dir()]
+    monkeypatch.setattr(module.shutil, "disk_usage", real)
+    entry = served_base(tiny_model, recipe)
+    leftover = bases / f".{entry.name}.k1ll3d"
+    leftover.mkdir()
+    (leftover / "part-1.safetensors").write_bytes(b"half")
+    shutil.rmtree(entry)
+    assert served_base(tiny_model, recipe) == entry and not leftover.exists()
+
+
 @pytest.mark.vllm
 def test_vllm_serves_what_an_nf4_learner_computes(tiny_model, bases, engine_lease):
     """On the learner's dequantised base (the default) vLLM's sampling logprobs equal the nf4

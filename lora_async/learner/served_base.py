@@ -124,6 +124,8 @@ def _hash_memo(root: Path) -> Iterator[dict[str, list]]:
         memo = {}
     before = json.dumps(memo, sort_keys=True)
     yield memo
+    for gone in [key for key in memo if not Path(key).exists()]:  # superseded entries' files
+        del memo[gone]
     if json.dumps(memo, sort_keys=True) != before:
         write_text_atomic(path, json.dumps(memo, indent=1, sort_keys=True))
 
@@ -161,6 +163,9 @@ def served_base(model_dir: Path, recipe: Recipe, console: "Console | None" = Non
         key = blake3.blake3(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
         entry = root / f"{model_dir.name}-{recipe.quantization}-{recipe.dtype}-{recipe.device}-{key}"
         with _locked(root / f".{entry.name}.lock"):
+            for stale in root.glob(f".{entry.name}.*"):  # a builder killed mid-way (the lock is ours now)
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
             problem = _check_entry(entry, memo)
             if problem is None:
                 return entry
@@ -215,8 +220,10 @@ def export_base(model_dir: Path, recipe: Recipe, entry: Path, identity: dict[str
 
         raise ServedBaseError(f"could not load {model_dir} as the learner does ({recipe.quantization}) to build "
                               f"the generator's base: {error_line(exc)}") from exc
-    with replaced_dir(entry) as tmp:
-        weights = _write_shards(tmp, learner_weights(base, torch_dtype(recipe.dtype)))
+    compute = torch_dtype(recipe.dtype)
+    _check_disk(entry.parent, _copy_bytes(base, compute))
+    with _one_line_os_errors(entry), replaced_dir(entry) as tmp:
+        weights = _write_shards(tmp, learner_weights(base, compute))
         del base
         for path in _content_files(model_dir):
             if path.suffix not in WEIGHT_SUFFIXES and not path.name.endswith(".index.json"):
@@ -235,6 +242,44 @@ def export_base(model_dir: Path, recipe: Recipe, entry: Path, identity: dict[str
     return done
 
 
+def _check_disk(where: Path, need: int) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(where).free
+    if free < need * 1.02 + (64 << 20):
+        raise ServedBaseError(f"the generator's base (the learner's weights, dequantised) needs {need / 1e9:.2f} GB "
+                              f"in {where}, which has {free / 1e9:.2f} GB free: free some space, point LORA_ASYNC_CACHE "
+                              "at a larger disk, or set generator.base = 'original'")
+
+
+@contextlib.contextmanager
+def _one_line_os_errors(entry: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise ServedBaseError(f"could not write the generator's base to {entry}: {exc.strerror or exc}") from exc
+
+
+def _quantised_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    import bitsandbytes as bnb
+
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
+
+
+def _copy_bytes(model: torch.nn.Module, compute: torch.dtype) -> int:
+    """What `learner_weights` will write: a quantised layer's weight at `compute`, the rest as held."""
+    layers = _quantised_layers(model)
+    total = 0
+    for name, param in model.named_parameters():
+        layer = layers.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+        if layer is None:
+            total += param.numel() * param.element_size()
+        else:
+            shape = int(layer.in_features) * int(layer.out_features)  # type: ignore[arg-type]
+            total += shape * torch.empty((), dtype=compute).element_size()
+    return total
+
+
 def learner_weights(model: torch.nn.Module, compute: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter of a base loaded by `load_base`, as the learner computes with it, on the
     CPU. A bitsandbytes layer's weight is read off the layer itself: its output for the rows of
@@ -243,10 +288,7 @@ def learner_weights(model: torch.nn.Module, compute: torch.dtype) -> Iterator[tu
     whichever kernel the layer runs (`frozen_base.one_kernel_path`), on any device, without
     relying on how bitsandbytes lays out its packed weights. Any other parameter is taken as it
     is; tied parameters come once."""
-    import bitsandbytes as bnb
-
-    layers = {name: module for name, module in model.named_modules()
-              if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
+    layers = _quantised_layers(model)
     for name, param in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
         layer = layers.get(owner) if leaf == "weight" else None
