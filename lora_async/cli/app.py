@@ -191,7 +191,8 @@ def training_server(
         "none", "--quantization", help="The run's model.quantization: nf4/int8 serve the learner's quantised base "
                                        "dequantised (generator.base = 'learner'), built once and cached."),
     learner_dtype: str = typer.Option("float32", "--learner-dtype", help="The run's learner compute dtype."),
-    learner_device: str = typer.Option("cpu", "--learner-device", help="Where the run's learner quantises: cpu or cuda."),
+    learner_device: str = typer.Option("cpu", "--learner-device",
+                                       help="Where the run's learner quantises: cpu or cuda."),
 ) -> None:
     """A vLLM server that training runs drive remotely (generator.type = "server")."""
     from ..serve import serve_for_training

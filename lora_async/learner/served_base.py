@@ -247,8 +247,8 @@ def _check_disk(where: Path, need: int) -> None:
     free = shutil.disk_usage(where).free
     if free < need * 1.02 + (64 << 20):
         raise ServedBaseError(f"the generator's base (the learner's weights, dequantised) needs {need / 1e9:.2f} GB "
-                              f"in {where}, which has {free / 1e9:.2f} GB free: free some space, point LORA_ASYNC_CACHE "
-                              "at a larger disk, or set generator.base = 'original'")
+                              f"in {where}, which has {free / 1e9:.2f} GB free: free some space, point "
+                              "LORA_ASYNC_CACHE at a larger disk, or set generator.base = 'original'")
 
 
 @contextlib.contextmanager

@@ -103,11 +103,13 @@ class LocalParts:
 
     def generator(self) -> Generator:
         from ..generator import make_generator
+        from ..generator.server import ServerGenerator
 
-        generator = make_generator(self.config, self.base_dir, self.generator_placement, self.base_recipe)
-        if self.base_recipe is not None and self.config.generator.type == "server":
+        recipe = self.base_recipe
+        generator = make_generator(self.config, self.base_dir, self.generator_placement, recipe)
+        if recipe is not None and isinstance(generator, ServerGenerator):  # servers it cannot build a base for
             try:
-                generator.check_base(self.base_dir, self.base_recipe.server_command(self.config.model.name))  # type: ignore[attr-defined]
+                generator.check_base(self.base_dir, recipe.server_command(self.config.model.name))
             except Exception:
                 generator.close()
                 raise
