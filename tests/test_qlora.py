@@ -307,3 +307,13 @@ def test_an_nf4_run_serves_the_learners_base_end_to_end(tiny_model, bases, tmp_p
     assert served.parent == bases and recipe is not None and recipe.quantization == "nf4"
     cmd, _, model_dir = server_command(out, "127.0.0.1", 8000, 256, 0.25)
     assert model_dir == served and cmd[cmd.index("--model") + 1] == str(served)
+
+
+def test_server_flags_for_the_learners_base_are_checked_before_anything_loads():
+    from typer.testing import CliRunner
+
+    from lora_async.cli import app
+
+    result = CliRunner().invoke(app, ["server", "smollm2-135m", "--quantization", "nf5"])
+    assert result.exit_code == 2
+    assert "--quantization takes none, nf4 or int8" in result.output and "Traceback" not in result.output
