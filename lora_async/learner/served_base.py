@@ -148,6 +148,7 @@ def _locked(path: Path) -> Iterator[None]:
 def served_base(model_dir: Path, recipe: Recipe, console: "Console | None" = None) -> Path:
     """The directory of `recipe`'s dequantised copy of `model_dir`, built if missing or stale."""
     import bitsandbytes
+    import blake3
     from rich.console import Console
 
     console = console or Console(stderr=True)
@@ -158,8 +159,6 @@ def served_base(model_dir: Path, recipe: Recipe, console: "Console | None" = Non
         source = content_hash(model_dir, memo)
         identity = {"format": FORMAT, "source_hash": source, "recipe": asdict(recipe),
                     "bitsandbytes": bitsandbytes.__version__}
-        import blake3
-
         key = blake3.blake3(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
         entry = root / f"{model_dir.name}-{recipe.quantization}-{recipe.dtype}-{recipe.device}-{key}"
         with _locked(root / f".{entry.name}.lock"):
