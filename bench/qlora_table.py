@@ -28,7 +28,8 @@ def summarise(run: Path) -> dict:
     later = [evals[s] for s in range(9, 13) if s in evals]
     return {
         "run": run.name, "acc_start": evals.get(0), "acc_by_step": [evals.get(s) for s in range(1, 13)],
-        "acc_step5": evals.get(5), "acc_min_8_12": min(late) if late else None, "acc_step12": evals.get(12),
+        "acc_step5": evals.get(5), "acc_min_8_12": min(late) if late else None,
+        "acc_mean_8_12": statistics.fmean(late) if late else None, "acc_step12": evals.get(12),
         "held_0.9_8_12": len(late) == 5 and min(late) >= 0.9,
         "held_0.9_9_12": len(later) == 4 and min(later) >= 0.9,
         "mismatch_onpolicy_median": statistics.median(onpolicy) if onpolicy else None,
@@ -47,14 +48,15 @@ def main() -> None:
     if "--json" in sys.argv:
         print(json.dumps(table, indent=1))
         return
-    print("| run | acc. start | step 5 | steps 8-12 (min) | step 12 | >= 0.9 from step 8 / 9 to 12 "
+    print("| run | acc. start | step 5 | steps 8-12 (min / mean) | step 12 | >= 0.9 from step 8 / 9 to 12 "
           "| on-policy mismatch "
           "(nats/token, median) | canary median | clip frac | ratio max | step s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
         def f(x: float | None, p: str = ".2f") -> str:
             return "-" if x is None else format(x, p)
-        print(f"| {r['run']} | {f(r['acc_start'])} | {f(r['acc_step5'])} | {f(r['acc_min_8_12'])} | "
+        late = f"{f(r['acc_min_8_12'])} / {f(r['acc_mean_8_12'])}"
+        print(f"| {r['run']} | {f(r['acc_start'])} | {f(r['acc_step5'])} | {late} | "
               f"{f(r['acc_step12'])} | {yes(r['held_0.9_8_12'])} / {yes(r['held_0.9_9_12'])} | "
               f"{f(r['mismatch_onpolicy_median'], '.2g')} | {f(r['canary_median'], '.2g')} | "
               f"{f(r['clip_frac_median'], '.3f')} | {f(r['ratio_max'], '.1f')} | {f(r['step_s_median'], '.1f')} |")
