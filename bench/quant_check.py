@@ -13,6 +13,7 @@ For each variant a fresh subprocess builds the learner on the embedded SmolLM2-1
   on that base and the quantised learner: what the default `generator.base = "learner"` leaves.
 
     .venv/bin/python bench/quant_check.py [--steps 3] [--variants float32,bfloat16,nf4,int8] > bench/results/quant.json
+    .venv/bin/python bench/quant_check.py --variants nf4,nf4-unpinned,nf4,nf4-unpinned   # the kernel-path A/B
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ VARIANTS = {  # name -> (learner.dtype, model.quantization)
     "bfloat16": ("bfloat16", "none"),
     "nf4": ("float32", "nf4"),
     "int8": ("float32", "int8"),
+    # nf4 with bitsandbytes choosing its own kernels (`frozen_base.one_kernel_path` off): an A/B
+    "nf4-unpinned": ("float32", "nf4"),
 }
 
 
@@ -66,6 +69,10 @@ def measure(variant: str, steps: int, samples: int, completion: int) -> dict:
     from lora_async.placement import Placement
 
     dtype, quantization = VARIANTS[variant]
+    if variant.endswith("-unpinned"):
+        from lora_async.learner import frozen_base, learner as learner_module
+
+        frozen_base.one_kernel_path = learner_module.one_kernel_path = lambda base: None  # type: ignore[assignment]
     model_dir = resolve_model("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     baseline = rss_mb()
@@ -145,7 +152,7 @@ def main() -> None:
             row["logprob_gap_vs_float32_max"] = round(max(gaps), 4)
     base = next((r for r in rows if r["variant"] == "float32"), rows[0])
     for row in rows:
-        row["step_time_vs_float32"] = round(row["step_s_median"] / base["step_s_median"], 2)
+        row[f"step_time_vs_{base['variant']}"] = round(row["step_s_median"] / base["step_s_median"], 2)
     print(json.dumps({"steps": args.steps, "rows": rows}, indent=2))
 
 
