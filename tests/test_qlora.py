@@ -69,8 +69,33 @@ def checkpoint(model_dir) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("quantization", ["nf4", "int8"])
-def test_the_generators_base_is_the_learners_dequantised_weights(tiny_model, bases, quantization):
+@pytest.fixture(scope="module")
+def biased_model(tiny_model, tmp_path_factory):
+    """The tiny model with a bias on every linear layer (as Qwen2 has on q, k, v), far from 0."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("biased") / "tiny-biased"
+    shutil.copytree(tiny_model, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "attention_bias": True, "mlp_bias": True}))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(mean=3.0)
+    for path in out.glob("*.safetensors"):
+        path.unlink()
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("quantization, model", [("nf4", "tiny_model"), ("int8", "tiny_model"),
+                                                 ("nf4", "biased_model")])
+def test_the_generators_base_is_the_learners_dequantised_weights(request, bases, quantization, model):
     """Every weight of the generator's base is, bit for bit, what the learner multiplies by: each
     bitsandbytes layer of a learner that has trained and computed logprobs gives exactly an
     ordinary matmul with the served weight (with and without grad: one kernel path), and every
@@ -80,6 +105,7 @@ def test_the_generators_base_is_the_learners_dequantised_weights(tiny_model, bas
 
     from lora_async.learner.served_base import Recipe, served_base
 
+    tiny_model = request.getfixturevalue(model)
     served_dir = served_base(tiny_model, Recipe(quantization, "float32", "cpu"))
     served = checkpoint(served_dir)
     learner = make_learner(tiny_model, quantization)
@@ -90,6 +116,7 @@ def test_the_generators_base_is_the_learners_dequantised_weights(tiny_model, bas
               if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
     original = checkpoint(tiny_model)
     assert set(served) == set(original) and len(layers) == 14  # 2 layers x 7 linears
+    assert any(name.endswith(".bias") for name in served) == (model == "biased_model")
     torch.manual_seed(0)
     for name, value in served.items():
         assert value.dtype == torch.float32, name
@@ -98,9 +125,10 @@ def test_the_generators_base_is_the_learners_dequantised_weights(tiny_model, bas
             assert torch.equal(value, base.get_parameter(name).data), name
             continue
         x = torch.randn(3, value.shape[1])
+        expected = torch.nn.functional.linear(x, value, served.get(name.removesuffix("weight") + "bias"))
         with torch.no_grad():
-            assert torch.equal(layer(x), torch.nn.functional.linear(x, value)), name
-        assert torch.equal(layer(x.clone().requires_grad_()).detach(), torch.nn.functional.linear(x, value)), name
+            assert torch.equal(layer(x), expected), name
+        assert torch.equal(layer(x.clone().requires_grad_()).detach(), expected), name
         assert not torch.equal(value, original[name].float()), name  # the rounding is really there
     plain = make_learner(served_dir, "none")
     plain.load_adapter_tensors("main", learner.adapter_tensors("main"))

@@ -4,10 +4,10 @@ With `model.quantization = "nf4"` (or "int8") the learner computes with bitsandb
 weights. A generator serving the original checkpoint samples from another model: 0.45 nats per
 token apart on the 135M model, a third of the tokens outside PPO's clip range
 (bench/RESULTS.md §8). So by default (`generator.base = "learner"`) the generator serves a
-checkpoint built from the learner's quantised layers, dequantised as bitsandbytes dequantises
-them in the learner's forward pass, at the learner's compute dtype; every other tensor
-(embeddings, norms, LM head) is the learner's own copy. Both halves then start from the same
-numbers, and what is left between them is kernels and dtype, as in an unquantised run.
+checkpoint of the weights the learner's quantised layers multiply by, read off the layers
+themselves (`learner_weights`) at the learner's compute dtype; every other tensor (embeddings,
+norms, LM head) is the learner's own copy. Both halves then start from the same numbers, and
+what is left between them is kernels and dtype, as in an unquantised run (§19).
 
 An entry is built once per (checkpoint content, quantisation, compute dtype, device type,
 bitsandbytes version) under `<cache>/bases/`, beside the embedded model. A changed checkpoint or
@@ -282,8 +282,8 @@ def _copy_bytes(model: torch.nn.Module, compute: torch.dtype) -> int:
 def learner_weights(model: torch.nn.Module, compute: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter of a base loaded by `load_base`, as the learner computes with it, on the
     CPU. A bitsandbytes layer's weight is read off the layer itself: its output for the rows of
-    an identity matrix, less its output for zeros (the bias), is the transposed weight it
-    multiplies by. Each output element is 1 x w plus zeros, so this is exact, and it holds for
+    an identity matrix, with its bias set aside, is the transposed weight it multiplies by.
+    Each output element is 1 x w plus zeros, so this is exact, and it holds for
     whichever kernel the layer runs (`frozen_base.one_kernel_path`), on any device, without
     relying on how bitsandbytes lays out its packed weights. Any other parameter is taken as it
     is; tied parameters come once."""
@@ -300,12 +300,15 @@ def _read_weight(layer: torch.nn.Module, compute: torch.dtype, rows: int = 2048)
     """`layer`'s effective weight, [out_features, in_features], `rows` identity rows at a time."""
     n_in = int(layer.in_features)  # type: ignore[arg-type]
     device = next(layer.parameters()).device
-    zero = layer(torch.zeros(1, n_in, dtype=compute, device=device))
-    parts = []
-    for start in range(0, n_in, rows):
-        eye = torch.zeros(min(rows, n_in - start), n_in, dtype=compute, device=device)
-        eye[:, start:start + eye.shape[0]].fill_diagonal_(1)
-        parts.append((layer(eye) - zero).to(compute))
+    bias, layer.bias = layer.bias, None  # type: ignore[assignment]  # (w + b) - b need not round back to w
+    try:
+        parts = []
+        for start in range(0, n_in, rows):
+            eye = torch.zeros(min(rows, n_in - start), n_in, dtype=compute, device=device)
+            eye[:, start:start + eye.shape[0]].fill_diagonal_(1)
+            parts.append(layer(eye).to(compute))
+    finally:
+        layer.bias = bias
     return torch.cat(parts).t().contiguous()
 
 
