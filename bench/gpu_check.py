@@ -62,45 +62,32 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 rope_theta=500000.0, rms_norm_eps=1e-5)
 
 
-def random_checkpoint(out: Path, shape: dict, tokenizer_dir: Path, device: str, shard_gb: float = 4.0) -> int:
+def random_checkpoint(out: Path, shape: dict, tokenizer_dir: Path, device: str) -> int:
     """A checkpoint of `shape` with random bf16 weights, written one shard at a time without
     building the model (an 8B one would need 16 GB of host memory at once); returns its bytes."""
-    from safetensors.torch import save_file
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from lora_async.learner.served_base import write_shards
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          dtype="bfloat16")
     with torch.device("meta"):
         names = [(n, p.shape) for n, p in LlamaForCausalLM(config).named_parameters()]
-    out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(0)
-    shard: dict[str, torch.Tensor] = {}
-    size = total = index = 0
-    weight_map = {}
 
-    def flush() -> None:
-        nonlocal shard, size, index
-        index += 1
-        save_file(shard, str(out / f"model-{index:05d}.safetensors"), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, f"model-{index:05d}.safetensors"))
-        shard, size = {}, 0
+    def tensors():
+        for name, dims in names:
+            if name.endswith("norm.weight"):
+                yield name, torch.ones(dims, dtype=torch.bfloat16)
+            else:
+                yield name, (torch.randn(dims, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
 
-    for name, dims in names:
-        value = (torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16)
-        if name.endswith("norm.weight"):
-            value = torch.ones(dims, dtype=torch.bfloat16, device=device)
-        shard[name] = value.cpu()
-        size += value.numel() * 2
-        total += value.numel() * 2
-        if size >= shard_gb * 2**30:
-            flush()
-    if shard:
-        flush()
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    out.mkdir(parents=True, exist_ok=True)
+    write_shards(out, tensors())
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return total
+    return sum(p.stat().st_size for p in out.glob("*.safetensors"))
 
 
 def served_base_export(device: str, tokenizer_dir: Path, work: Path, quick: bool) -> dict:

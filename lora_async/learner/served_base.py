@@ -28,9 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+import blake3
 import torch
 
-from ..dtypes import torch_dtype
+from ..dtypes import resolve_dtype, torch_dtype
 from ..files import replaced_dir, write_text_atomic
 from ..models import ModelError, cache_dir
 from .frozen_base import load_base, quiet_int8_casts
@@ -70,8 +71,6 @@ class Recipe:
 def recipe_for(config: "TrainConfig", learner_device: str) -> Recipe | None:
     """The recipe of a run whose generator serves the learner's quantised base; None when it
     serves the checkpoint as it is (no quantisation, or `generator.base = "original"`)."""
-    from ..dtypes import resolve_dtype
-
     if config.model.quantization == "none" or config.generator.base == "original":
         return None
     device = torch.device(learner_device).type
@@ -88,8 +87,6 @@ def base_root() -> Path:
 def _file_hash(path: Path, memo: dict[str, list]) -> str:
     """blake3 of a file's bytes; `memo` (path -> [size, mtime_ns, hash]) skips files unchanged
     since they were last hashed, so an 8B checkpoint is read once, not at every start."""
-    import blake3
-
     stat = path.stat()
     key = str(path.resolve())
     known = memo.get(key)
@@ -107,8 +104,6 @@ def _content_files(model_dir: Path) -> list[Path]:
 
 
 def content_hash(model_dir: Path, memo: dict[str, list]) -> str:
-    import blake3
-
     whole = blake3.blake3()
     for path in _content_files(model_dir):
         whole.update(f"{path.name}\0{_file_hash(path, memo)}\n".encode())
@@ -148,7 +143,6 @@ def _locked(path: Path) -> Iterator[None]:
 def served_base(model_dir: Path, recipe: Recipe, console: "Console | None" = None) -> Path:
     """The directory of `recipe`'s dequantised copy of `model_dir`, built if missing or stale."""
     import bitsandbytes
-    import blake3
     from rich.console import Console
 
     console = console or Console(stderr=True)
@@ -222,7 +216,7 @@ def export_base(model_dir: Path, recipe: Recipe, entry: Path, identity: dict[str
     compute = torch_dtype(recipe.dtype)
     _check_disk(entry.parent, _copy_bytes(base, compute))
     with _one_line_os_errors(entry), replaced_dir(entry) as tmp:
-        weights = _write_shards(tmp, learner_weights(base, compute))
+        weights = write_shards(tmp, learner_weights(base, compute))
         del base
         for path in _content_files(model_dir):
             if path.suffix not in WEIGHT_SUFFIXES and not path.name.endswith(".index.json"):
@@ -312,7 +306,7 @@ def _read_weight(layer: torch.nn.Module, compute: torch.dtype, rows: int = 2048)
     return torch.cat(parts).t().contiguous()
 
 
-def _write_shards(out: Path, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+def write_shards(out: Path, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
     """safetensors shards of at most `SHARD_BYTES` plus the HF index; returns the tensor count."""
     from safetensors.torch import save_file
 

@@ -56,7 +56,6 @@ class LocalParts:
 
     def __init__(self, config: TrainConfig, console: Console, out_dir: Path) -> None:
         from ..learner import served_base
-        from ..learner.served_base import generator_base as served_generator_base
         from ..models import resolve_model
         from ..placement import PlacementError, place_run
 
@@ -67,8 +66,8 @@ class LocalParts:
             raise TrainingError(str(exc)) from None
         self.learner_placement = self.rank_placements[0]  # rank 0 runs on the learner thread
         self.model_dir = resolve_model(config.model.name, console)
-        self.base_dir, self.base_recipe = served_generator_base(config, self.model_dir, self.learner_placement.device,
-                                                                console)
+        self.base_dir, self.base_recipe = served_base.generator_base(config, self.model_dir,
+                                                                     self.learner_placement.device, console)
         served_base.record(out_dir, config.model.name, self.base_dir, self.base_recipe)
         gen = config.generator
         if gen.type == "server":
