@@ -40,11 +40,11 @@ def matmul_ms(dtype: str, reps: int = 10) -> float:
 
 def learner_step_s(model_dir: Path, dtype: str, steps: int) -> float:
     from lora_async.buffer import TrainSample
-    from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+    from lora_async.config import LearnerConfig, LoraConfig, default_loss
     from lora_async.learner import Learner
     from lora_async.placement import Placement
 
-    learner = Learner(model_dir, {"main": (LoraConfig(), 1e-3)}, LearnerConfig(dtype=dtype), LossConfig(),
+    learner = Learner(model_dir, {"main": (LoraConfig(), 1e-3)}, LearnerConfig(dtype=dtype), default_loss(),
                       Placement("cpu", frozenset({0})), 1.0, 0)
     rng = random.Random(0)
     samples = []

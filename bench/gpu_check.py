@@ -146,7 +146,7 @@ def plan_estimate(model_dir: Path, dtype: str, quantization: str, budget: int) -
 
 
 def learner_step(device: str, model_dir: Path, dtype: str, quantization: str, args) -> dict:
-    from lora_async.config import LoraConfig, LossConfig
+    from lora_async.config import LoraConfig, default_loss
     from lora_async.learner import Learner
     from lora_async.placement import Placement
 
@@ -156,7 +156,7 @@ def learner_step(device: str, model_dir: Path, dtype: str, quantization: str, ar
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     learner = Learner(model_dir, {"main": (LoraConfig(rank=8), 1e-4)}, learner_config(dtype, args.budget),
-                      LossConfig(), Placement(device, None), 1.0, 0, quantization)
+                      default_loss(), Placement(device, None), 1.0, 0, quantization)
     load_s = time.perf_counter() - started
     samples = batch(args.samples, args.prompt, args.completion)
     times = [learner.train_step("main", samples).seconds for _ in range(args.steps)]
@@ -172,7 +172,7 @@ def learner_step(device: str, model_dir: Path, dtype: str, quantization: str, ar
 
 def data_parallel(devices: list[str], model_dir: Path, dtype: str, args) -> dict:
     """Two ranks against one on the same batches: the largest weight difference after 2 steps."""
-    from lora_async.config import LoraConfig, LossConfig
+    from lora_async.config import LoraConfig, default_loss
     from lora_async.learner import Learner
     from lora_async.learner.parallel import ParallelLearner
     from lora_async.placement import Placement
@@ -180,12 +180,12 @@ def data_parallel(devices: list[str], model_dir: Path, dtype: str, args) -> dict
     adapters = {"main": (LoraConfig(rank=8), 1e-3)}
     cfg = learner_config(dtype, args.budget)
     steps = [batch(args.samples, args.prompt, args.completion, seed) for seed in (1, 2)]
-    single = Learner(model_dir, adapters, cfg, LossConfig(), Placement(devices[0], None), 1.0, 0)
+    single = Learner(model_dir, adapters, cfg, default_loss(), Placement(devices[0], None), 1.0, 0)
     for samples in steps:
         single.train_step("main", samples)
     want = single.adapter_tensors("main")
     del single
-    parallel = ParallelLearner(model_dir, adapters, cfg, LossConfig(), [Placement(d, None) for d in devices], 1.0, 0)
+    parallel = ParallelLearner(model_dir, adapters, cfg, default_loss(), [Placement(d, None) for d in devices], 1.0, 0)
     try:
         times = [parallel.train_step("main", samples).seconds for samples in steps]
         got = parallel.adapter_tensors("main")

@@ -67,7 +67,7 @@ def child(case: str) -> dict:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+    from lora_async.config import LearnerConfig, LoraConfig, default_loss
     from lora_async.learner import Learner
     from lora_async.models import resolve_model
     from lora_async.placement import Placement
@@ -79,7 +79,7 @@ def child(case: str) -> dict:
     reset_peak()
     learner = Learner(model_dir, {"main": (LoraConfig(), 2e-4)},
                       LearnerConfig(dtype=dtype, token_budget=budget, gradient_checkpointing=ckpt),
-                      LossConfig(), Placement("cpu", None), 1.0, 0, quantization)
+                      default_loss(), Placement("cpu", None), 1.0, 0, quantization)
     loaded, load_peak = status_kb("VmRSS"), status_kb("VmHWM")
     reset_peak()
     began = time.perf_counter()

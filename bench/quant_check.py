@@ -63,7 +63,7 @@ def measure(variant: str, steps: int, samples: int, completion: int) -> dict:
     from transformers import AutoTokenizer
 
     from lora_async.buffer import TrainSample
-    from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+    from lora_async.config import LearnerConfig, LoraConfig, default_loss
     from lora_async.learner import Learner
     from lora_async.models import resolve_model
     from lora_async.placement import Placement
@@ -77,7 +77,7 @@ def measure(variant: str, steps: int, samples: int, completion: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     baseline = rss_mb()
     started = time.perf_counter()
-    learner = Learner(model_dir, {"main": (LoraConfig(rank=8), 1e-4)}, LearnerConfig(dtype=dtype), LossConfig(),
+    learner = Learner(model_dir, {"main": (LoraConfig(rank=8), 1e-4)}, LearnerConfig(dtype=dtype), default_loss(),
                       Placement("cpu", None), 1.0, 0, quantization)
     load_s = time.perf_counter() - started
     footprint = learner.model.get_memory_footprint() / 2**20
@@ -107,7 +107,7 @@ def served_base_gap(model_dir, dtype: str, quantization: str, probes: list, quan
     and the probe gap between an unquantised learner on it and the quantised learner."""
     import tempfile
 
-    from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+    from lora_async.config import LearnerConfig, LoraConfig, default_loss
     from lora_async.learner import Learner
     from lora_async.learner.served_base import Recipe, export_base
     from lora_async.placement import Placement
@@ -117,7 +117,7 @@ def served_base_gap(model_dir, dtype: str, quantization: str, probes: list, quan
         entry = Path(tmp) / "base"
         export_base(model_dir, Recipe(quantization, dtype, "cpu"), entry)
         export_s = time.perf_counter() - started
-        plain = Learner(entry, {"main": (LoraConfig(rank=8), 1e-4)}, LearnerConfig(dtype=dtype), LossConfig(),
+        plain = Learner(entry, {"main": (LoraConfig(rank=8), 1e-4)}, LearnerConfig(dtype=dtype), default_loss(),
                         Placement("cpu", None), 1.0, 0, "none")
         served = [lp for row in plain.logprobs(None, probes) for lp in row]
     gaps = [abs(a - b) for a, b in zip(served, quantised)]

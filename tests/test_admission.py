@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from lora_async.buffer import Group, RolloutBuffer, TrainSample
-from lora_async.config import LossConfig
+from lora_async.config import loss_of
 from lora_async.learner import Learner
 from lora_async.loss import has_gradient
 from lora_async.orchestrator.admission import Admission, expected_lag, may_start
@@ -94,9 +94,9 @@ def test_the_collector_and_the_learner_ask_one_rule_when_a_flat_group_trains(kl_
     """A flat group (every advantage 0) has a gradient only through the KL term; the collector
     keeps it then (or always, without filtering), and the learner trains its samples then."""
     assert has_gradient(0.5, 0.0) and has_gradient(0.0, 0.1) and not has_gradient(0.0, 0.0)
-    run = SimpleNamespace(config=SimpleNamespace(loss=LossConfig(kl_coef=kl_coef),
+    run = SimpleNamespace(config=SimpleNamespace(loss=loss_of("ppo-clip", kl_coef=kl_coef),
                                                  learner=SimpleNamespace(skip_flat_groups=skip_flat)))
-    learner = SimpleNamespace(loss_cfg=LossConfig(kl_coef=kl_coef))
+    learner = SimpleNamespace(loss_cfg=loss_of("ppo-clip", kl_coef=kl_coef))
     flat, informative = samples_with([0.0, 0.0]), samples_with([1.0, -1.0])
     assert trains_on(run, Group("a", 0, 0, informative))
     assert Learner.trainable(learner, informative) == informative

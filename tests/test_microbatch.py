@@ -54,12 +54,12 @@ def test_a_unit_bigger_than_the_budget_is_split():
 def test_packed_prompt_tree_logprobs_equal_an_unpacked_forward(tiny_model):
     """Prompt trees packed into budget-bound micro-batches (shared prompts, split rows, padding)
     give the logprobs of one plain causal forward per sample, to 1e-5 (fp32, random LoRA)."""
-    from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+    from lora_async.config import LearnerConfig, LoraConfig, default_loss
     from lora_async.learner import Learner
     from lora_async.placement import Placement
 
     learner = Learner(tiny_model, {"main": (LoraConfig(rank=8), 1e-3)},
-                      LearnerConfig(dtype="float32", token_budget=32), LossConfig(), Placement("cpu", None), 0.7, 0)
+                      LearnerConfig(dtype="float32", token_budget=32), default_loss(), Placement("cpu", None), 0.7, 0)
     rng = torch.Generator().manual_seed(0)
     tensors = {k: torch.randn(v.shape, generator=rng) * 0.05 for k, v in learner.adapter_tensors("main").items()}
     learner.load_adapter_tensors("main", tensors)

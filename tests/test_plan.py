@@ -64,12 +64,12 @@ BUDGET, PROMPT, COMPLETION = 512, 8, 56  # a full micro-batch of 64-token rows
 
 
 def tiny_learner(tiny_model: Path, dtype: str, checkpointing: bool = False):
-    from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+    from lora_async.config import LearnerConfig, LoraConfig, default_loss
     from lora_async.learner import Learner
     from lora_async.placement import Placement
 
     cfg = LearnerConfig(dtype=dtype, token_budget=BUDGET, gradient_checkpointing=checkpointing)
-    return Learner(tiny_model, {"main": (LoraConfig(), 1e-3)}, cfg, LossConfig(), Placement("cpu", None), 1.0, 0)
+    return Learner(tiny_model, {"main": (LoraConfig(), 1e-3)}, cfg, default_loss(), Placement("cpu", None), 1.0, 0)
 
 
 def full_batch() -> list:

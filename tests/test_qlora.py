@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lora_async.buffer import TrainSample
-from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+from lora_async.config import LearnerConfig, LoraConfig, default_loss
 from lora_async.placement import Placement
 
 from .helpers import PROMPTS, publish, submit_many
@@ -22,7 +22,7 @@ from .helpers import PROMPTS, publish, submit_many
 def make_learner(model_dir, quantization: str, lr: float = 1e-2):
     from lora_async.learner import Learner
 
-    return Learner(model_dir, {"main": (LoraConfig(rank=8), lr)}, LearnerConfig(dtype="float32"), LossConfig(),
+    return Learner(model_dir, {"main": (LoraConfig(rank=8), lr)}, LearnerConfig(dtype="float32"), default_loss(),
                    Placement("cpu", None), 1.0, 0, quantization)
 
 

@@ -189,11 +189,11 @@ def test_sigkill_then_resume_continues_versions_and_restores_state(in_tmp, tiny_
 
 def test_nonfinite_loss_skips_the_step_and_keeps_the_weights(tiny_model):
     from lora_async.buffer import TrainSample
-    from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+    from lora_async.config import LearnerConfig, LoraConfig, default_loss
     from lora_async.learner import Learner
     from lora_async.placement import Placement
 
-    learner = Learner(tiny_model, {"main": (LoraConfig(), 1e-2)}, LearnerConfig(), LossConfig(),
+    learner = Learner(tiny_model, {"main": (LoraConfig(), 1e-2)}, LearnerConfig(), default_loss(),
                       Placement("cpu", None), 1.0, 0)
     before = learner.adapter_tensors("main")
     good = [TrainSample("main", 0, [1, 2, 3], [4, 5], [-1.0, -1.0], 1.0, 1.0),

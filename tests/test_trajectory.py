@@ -7,6 +7,7 @@ import torch
 
 from lora_async.buffer import Group, RolloutBuffer, TrainSample
 from lora_async.learner.packing import build_micro_batch, plan_step
+from lora_async.config import loss_of
 from lora_async.loss import policy_loss
 from lora_async.staleness import StalenessWindow
 
@@ -73,7 +74,7 @@ def test_no_environment_token_reaches_the_loss():
         s = episode(logprob_env=env_logprob)
         mb = build_micro_batch([s], [[0]], pad_id=0, device=torch.device("cpu"))
         logp = torch.linspace(-1.0, -0.1, mb.targets.numel(), requires_grad=True)
-        loss, stats = policy_loss(logp, mb.behaviour, mb.advantages, None, "ppo-clip")
+        loss, stats = policy_loss(logp, mb.behaviour, mb.advantages, loss_of("ppo-clip"))
         loss.backward()
         assert stats.tokens == 7 and math.isfinite(float(loss))
         losses.append((float(loss), logp.grad.clone()))
@@ -84,12 +85,12 @@ def test_no_environment_token_reaches_the_loss():
 def test_episode_logprobs_equal_an_unpacked_forward(tiny_model):
     """Two episodes sharing an opening (one prompt tree), packed with a single-turn sample and
     split over micro-batches: the trained tokens' logprobs equal a plain forward, to 1e-5."""
-    from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+    from lora_async.config import LearnerConfig, LoraConfig, default_loss
     from lora_async.learner import Learner
     from lora_async.placement import Placement
 
     learner = Learner(tiny_model, {"a": (LoraConfig(rank=8), 1e-3)},
-                      LearnerConfig(dtype="float32", token_budget=40), LossConfig(), Placement("cpu", None), 0.8, 0)
+                      LearnerConfig(dtype="float32", token_budget=40), default_loss(), Placement("cpu", None), 0.8, 0)
     rng = torch.Generator().manual_seed(1)
     learner.load_adapter_tensors("a", {k: torch.randn(v.shape, generator=rng) * 0.05
                                        for k, v in learner.adapter_tensors("a").items()})
@@ -112,11 +113,11 @@ def test_episode_logprobs_equal_an_unpacked_forward(tiny_model):
 
 
 def test_a_step_trains_only_sampled_tokens(tiny_model):
-    from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+    from lora_async.config import LearnerConfig, LoraConfig, default_loss
     from lora_async.learner import Learner
     from lora_async.placement import Placement
 
     learner = Learner(tiny_model, {"a": (LoraConfig(rank=8), 1e-3)},
-                      LearnerConfig(dtype="float32"), LossConfig(), Placement("cpu", None), 1.0, 0)
+                      LearnerConfig(dtype="float32"), default_loss(), Placement("cpu", None), 1.0, 0)
     stats = learner.train_step("a", [episode(advantage=1.0), episode(logprob_env=float("nan"), advantage=-1.0)])
     assert stats.updated and stats.tokens_trained == 14 and math.isfinite(stats.loss)

@@ -4,7 +4,8 @@ Every field has bounds and a one-line description. Unknown keys are errors. Deri
 properties, never silent rewrites. `load_config` turns any problem into a `ConfigError` whose
 message is one line naming the dotted field and the file; the CLI prints it and exits 2.
 
-    sections.py  plain tables: model, adapter, lora, sampling, learner, buffer, loss, run
+    sections.py  plain tables: model, adapter, lora, sampling, learner, buffer, run
+    losses.py    [loss] (union on `type`: ppo-clip, tis, decoupled, none, m2po, cispo, topr)
     backends.py  [generator] (union on `type`) and [sync] (union on `transport`)
     tasks.py     [task] (union on `type`: arithmetic, jsonl, dataset, reasoning-gym, env) and fleet entries
     train.py     TrainConfig: cross-field checks and derived values
@@ -19,9 +20,13 @@ from .load import (
     MIGRATIONS, ConfigError, apply_overrides, check_migrations, dump_config, format_validation_error, load_config,
     parse_override,
 )
+from .losses import (
+    DEFAULT_LOSS, LOSS_TYPES, CISPOLoss, DecoupledLoss, LossBase, LossConfig, M2POLoss, NoCorrectionLoss, PPOClipLoss,
+    TISLoss, TOPRLoss, default_loss, loss_of,
+)
 from .sections import (
-    ADAPTER_NAME_RE, CPU_LIST_RE, AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, LossConfig, ModelConfig,
-    RunConfig, SamplingConfig, Section,
+    ADAPTER_NAME_RE, CPU_LIST_RE, AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, ModelConfig, RunConfig,
+    SamplingConfig, Section,
 )
 from .tasks import (AUTO_WORKERS_CAP, ArithmeticTask, DatasetTask, EnvTask, FleetAdapter, JsonlTask, ProblemTask,
                     ReasoningGymDataset, ReasoningGymTask, TaskConfig, ToolLatency, auto_workers)
@@ -34,7 +39,8 @@ __all__ = [
     "FleetAdapter", "GeneratorBase", "GeneratorConfig", "HttpSync", "InprocSync", "JsonlTask", "LearnerConfig",
     "LoraConfig", "LossConfig", "ModelConfig", "NcclSync", "RunConfig", "SamplingConfig", "Section",
     "RayConfig", "RayGeneratorConfig", "RaySync", "ServerGeneratorConfig", "ShmSync", "SyncBase", "SyncConfig", "TaskConfig", "TrainConfig",
-    "ToolLatency", "VllmGeneratorConfig",
+    "ToolLatency", "VllmGeneratorConfig", "DEFAULT_LOSS", "LOSS_TYPES", "CISPOLoss", "DecoupledLoss", "LossBase",
+    "M2POLoss", "NoCorrectionLoss", "PPOClipLoss", "TISLoss", "TOPRLoss", "default_loss", "loss_of",
     "apply_overrides", "check_migrations", "dump_config", "format_validation_error", "load_config",
     "parse_override", "vllm_rank", "AUTO_WORKERS_CAP", "auto_workers",
 ]

@@ -13,9 +13,9 @@ from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, mod
 
 from .backends import (DEFAULT_SYNC, ENGINE_HOME_TEXT, EngineSettings, GeneratorConfig, RayConfig, SyncBase, SyncConfig,
                        VllmGeneratorConfig)
+from .losses import DEFAULT_LOSS, LossConfig, default_loss
 from .sections import (
-    AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, LossConfig, ModelConfig, RunConfig, SamplingConfig,
-    Section,
+    AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, ModelConfig, RunConfig, SamplingConfig, Section,
 )
 from .tasks import ArithmeticTask, EnvTask, FleetAdapter, ProblemTask, TaskConfig, default_types
 
@@ -66,7 +66,7 @@ class TrainConfig(Section):
     sync: SyncConfig | None = Field(
         None, description="How new versions reach the engine (None = the default for the generator)."
     )
-    loss: LossConfig = Field(default_factory=LossConfig, description="The policy-gradient loss.")
+    loss: LossConfig = Field(default_factory=default_loss, description="The policy-gradient loss (type left out = ppo-clip).")
     run: RunConfig = Field(default_factory=RunConfig, description="Steps, outputs, eval and logging.")
     task: TaskConfig = Field(
         default_factory=ArithmeticTask, description="The task and reward (type left out = arithmetic)."
@@ -75,7 +75,7 @@ class TrainConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _default_types(cls, data: Any) -> Any:
-        return default_types(data, task="arithmetic", generator="vllm")
+        return default_types(data, task="arithmetic", generator="vllm", loss=DEFAULT_LOSS)
 
     @model_validator(mode="after")
     def _cross_field(self) -> "TrainConfig":
@@ -97,9 +97,17 @@ class TrainConfig(Section):
         )
 
     def _check_mode(self) -> None:
-        if self.buffer.mode == "async" and self.buffer.max_staleness == 0:
+        buffer = self.buffer
+        if buffer.mode == "async" and buffer.max_staleness == 0:
             raise ValueError("buffer.mode: 'async' needs buffer.max_staleness >= 1 (the lag async trains at); "
                              "raise max_staleness, or set mode = 'sync'")
+        lag = buffer.fixed_lag
+        if lag is None:
+            return
+        if buffer.mode != "async" or buffer.max_staleness != lag or buffer.partial_rollouts:
+            raise ValueError(f"buffer.fixed_lag: a fixed lag of {lag} needs buffer.mode = 'async', "
+                             f"buffer.max_staleness = {lag} and buffer.partial_rollouts = false (this config has "
+                             f"{buffer.mode!r}, {buffer.max_staleness} and {str(buffer.partial_rollouts).lower()})")
 
     def _check_ray(self) -> None:
         if self.ray != RayConfig() and self.generator.engine_home != "ray":
