@@ -16,7 +16,7 @@ import torch
 
 from lora_async.buffer import TrainSample
 from lora_async.checkpoint import RunState, load_checkpoint, save_checkpoint
-from lora_async.config import LearnerConfig, LoraConfig, LossConfig
+from lora_async.config import LearnerConfig, LoraConfig, default_loss
 from lora_async.learner import Learner
 from lora_async.learner.packing import plan_step
 from lora_async.learner.parallel import ParallelLearner, RankTimeouts, assign_micro_batches
@@ -42,13 +42,13 @@ ONE_CORE_EACH = [Placement("cpu", frozenset({0})), Placement("cpu", frozenset({1
 
 
 def plain(model: Path) -> Learner:
-    return Learner(model, ADAPTERS, LEARNER, LossConfig(), Placement("cpu", None), 1.0, 0)
+    return Learner(model, ADAPTERS, LEARNER, default_loss(), Placement("cpu", None), 1.0, 0)
 
 
 def parallel(model: Path, timeouts: RankTimeouts = RankTimeouts()) -> ParallelLearner:
     """Two ranks. Rank 1 pins its own process to core 1; rank 0 runs on the calling thread (the
     orchestrator's learner thread is pinned by `setup_run`; the test's thread is left alone)."""
-    return ParallelLearner(model, ADAPTERS, LEARNER, LossConfig(), ONE_CORE_EACH, 1.0, 0, timeouts=timeouts)
+    return ParallelLearner(model, ADAPTERS, LEARNER, default_loss(), ONE_CORE_EACH, 1.0, 0, timeouts=timeouts)
 
 
 def batch(seed: int, groups: int = 4) -> list[TrainSample]:
@@ -120,6 +120,24 @@ def test_a_rank_without_micro_batches_still_steps_with_the_others(pair, tiny_mod
     assert_ranks_agree(pair)  # rank 1 summed zeros and took the same step
     none = pair.train_step("main", [TrainSample("main", 0, [1, 2], [3], [-1.0], 0.0, 0.0)])
     assert not none.updated and none.version == 1  # nothing trainable: no rank is asked
+
+
+def test_the_ess_scale_is_rank_0s_for_every_rank(pair, tiny_model):
+    # the scale comes from every rank's sequences, so it is the one learner's, and each rank steps with it
+    single = plain(tiny_model)
+    reset(pair, single)
+    for learner in (single, pair.local):
+        learner.set_objective(default_loss(), "ess")
+    try:
+        samples = batch(7)
+        for i, s in enumerate(samples):
+            s.logprobs = [lp + 0.2 * (i % 5) for lp in s.logprobs]  # uneven sequence ratios
+        one, two = single.train_step("main", samples), pair.train_step("main", samples)
+        assert one.lr_scale < 0.95 and two.lr_scale == pytest.approx(one.lr_scale, rel=1e-9)
+        assert_close(pair.adapter_tensors("main"), single.adapter_tensors("main"))
+        assert_ranks_agree(pair)
+    finally:
+        pair.local.set_objective(default_loss(), "none")
 
 
 def test_checkpoints_resume_with_any_number_of_ranks(pair, tiny_model, tmp_path):

@@ -1,4 +1,4 @@
-"""The plain sections of the run's config: model, adapter, lora, sampling, learner, buffer, loss, run.
+"""The plain sections of the run's config: model, adapter, lora, sampling, learner, buffer, run.
 
 Each is a flat pydantic model with bounds and a one-line description per field; the shared
 base forbids unknown keys. Backends (generator, sync) and tasks live in their own modules.
@@ -109,6 +109,10 @@ class LearnerConfig(Section):
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="Compute dtype of the learner's frozen base; 'auto' as model.dtype decides."
     )
+    lr_scale: Literal["none", "ess"] = Field(
+        "none", description="'ess': each step's learning rate times sqrt(ESS fraction of its sequence ratios), "
+                            "so a step on stale samples moves less (VCPO); 'none': the learning rate as it is.",
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     logprob_chunk: int = Field(
         1024, ge=16, le=1_000_000, description="Positions per chunk of the log-softmax over the vocab."
@@ -159,6 +163,12 @@ class BufferConfig(Section):
         True, description="Async runs: a turn or completion a learner step makes too stale is stopped and continued "
                           "on the newest version, its tokens keeping their version (false: aborted, group dropped).",
     )
+    fixed_lag: int | None = Field(
+        None, ge=1, le=64,
+        description="Benchmarks (`lora-async bench staleness`): the generator is held this many versions behind the "
+                    "learner and starts groups only while it waits, so every sample trains at exactly this lag "
+                    "(the first ones at less); needs mode = 'async', max_staleness equal to it, no partial rollouts.",
+    )
 
     @property
     def window(self) -> StalenessWindow:
@@ -170,17 +180,9 @@ class BufferConfig(Section):
     @property
     def concurrent_from_start(self) -> bool:
         """Generation and training overlap from the first step (pinned async): `auto` placement
-        then splits shared cores at once; an auto run starts sharing them."""
-        return self.mode == "async" and self.max_staleness > 0
-
-
-class LossConfig(Section):
-    type: Literal["ppo-clip", "tis", "decoupled", "none"] = Field(
-        "ppo-clip", description="Importance correction against vLLM's sampling logprobs (see lora_async/loss.py)."
-    )
-    clip_eps: float = Field(0.2, gt=0.0, le=10.0, description="PPO clip range (1-eps, 1+eps).")
-    ratio_cap: float = Field(2.0, ge=1.0, le=1e4, description="Truncation of the IS weight (tis, is-correct).")
-    kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="KL penalty to the base model (adapter off).")
+        then splits shared cores at once; an auto run starts sharing them, and so does a run at a
+        fixed lag (its halves take turns)."""
+        return self.mode == "async" and self.max_staleness > 0 and self.fixed_lag is None
 
 
 class RunConfig(Section):

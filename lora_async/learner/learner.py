@@ -9,11 +9,12 @@ is not finite. The reference model for KL is the same base with the adapter swit
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -43,6 +44,7 @@ class StepStats:
     micro_batches: int
     loss_stats: LossStats = field(default_factory=LossStats)
     seconds: float = 0.0
+    lr_scale: float = 1.0
 
 
 @dataclass
@@ -64,6 +66,17 @@ class Update:
     grad_norm: float = 0.0
     updated: bool = False
     nonfinite: bool = False
+    lr_scale: float = 1.0  # what the step's learning rate was multiplied by (`learner.lr_scale`)
+
+
+def lr_scale(setting: str, stats: LossStats) -> float:
+    """The step's learning-rate factor: sqrt of the ESS fraction of its sequence ratios for
+    `learner.lr_scale = "ess"` (VCPO, arXiv 2602.17616: a step whose samples the learner has moved
+    away from says less, so it moves less), else 1."""
+    if setting != "ess":
+        return 1.0
+    ess = stats.ess_frac
+    return 1.0 if ess is None or not math.isfinite(ess) else math.sqrt(ess)
 
 
 def step_stats(adapter: str, version: int, samples: list[TrainSample], total_tokens: int, micro_batches: int,
@@ -73,7 +86,41 @@ def step_stats(adapter: str, version: int, samples: list[TrainSample], total_tok
         loss=part.loss_sum / total_tokens if total_tokens else 0.0, grad_norm=update.grad_norm,
         samples=len(samples), tokens_trained=total_tokens, padded_tokens=part.padded_tokens,
         micro_batches=micro_batches, loss_stats=part.stats, seconds=time.perf_counter() - started,
+        lr_scale=update.lr_scale,
     )
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[None]:
+    """The optimizer's learning rates times `scale` for one step, then as they were (a
+    checkpoint saves the configured rate, not a step's)."""
+    if scale == 1.0:
+        yield
+        return
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * scale
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, rates):
+            group["lr"] = lr
+
+
+def adapter_seed(seed: int, index: int) -> int:
+    """The seed a learner's `index`-th adapter is initialised with: the run's seed for the first
+    (and for an adapter added later with that seed: `Learner.add_adapter`), so equal seeds give
+    equal initial weights however the learner was built."""
+    return seed + index
+
+
+def peft_lora_config(lora: LoraConfig) -> Any:
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = lora.target_modules if isinstance(lora.target_modules, list) else "all-linear"
+    # peft annotates lora_alpha as int but only divides it by r: a fractional alpha is valid
+    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets,  # type: ignore[arg-type]
+                          lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM")
 
 
 @dataclass
@@ -94,7 +141,6 @@ class Learner:
         """`adapters`: name -> (LoRA shape, learning rate); `temperature`: the sampling
         temperature of the generator (per adapter in a fleet), so logprobs match vLLM's;
         `quantization`: how the frozen base is held ("none", "nf4", "int8": see `base.py`)."""
-        from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
         from transformers import AutoTokenizer
 
@@ -116,22 +162,16 @@ class Learner:
         self.model_dir = Path(model_dir)
         self.peft_configs: dict[str, Any] = {}
         self.adapters: dict[str, _AdapterState] = {}
-        model = None
-        for name, (lora, lr) in adapters.items():
-            targets = lora.target_modules if isinstance(lora.target_modules, list) else "all-linear"
-            # peft annotates lora_alpha as int but only divides it by r: a fractional alpha is valid
-            cfg = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets,  # type: ignore[arg-type]
-                                 lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM")
-            if model is None:
-                model = get_peft_model(base, cfg, adapter_name=name)
+        for i, (name, (lora, lr)) in enumerate(adapters.items()):
+            torch.manual_seed(adapter_seed(seed, i))
+            cfg = peft_lora_config(lora)
+            if i == 0:
+                self.model = get_peft_model(base, cfg, adapter_name=name)
             else:
-                model.add_adapter(name, cfg)
+                self.model.add_adapter(name, cfg)
             self.peft_configs[name] = cfg
-        assert model is not None, "a learner needs at least one adapter"
-        self.model = model
+        assert self.peft_configs, "a learner needs at least one adapter"
         self.model.train(any(lora.dropout > 0 for lora, _ in adapters.values()))
-        if quantization != "none":
-            one_kernel_path(self.model)  # again: setting the mode above reset the int8 layers'
         if learner.gradient_checkpointing:
             # transformers checkpoints a decoder layer only while that layer is in training mode;
             # the model stays in eval mode (no dropout), so only the layers themselves are marked.
@@ -141,14 +181,52 @@ class Learner:
                 if isinstance(module, GradientCheckpointingLayer):
                     module.training = True
         for name, (lora, lr) in adapters.items():
-            params = [p for n, p in model.named_parameters() if f".{name}." in n and "lora_" in n]
-            for p in params:
-                p.requires_grad_(True)
-                if p.dtype != torch.float32:  # train adapters in fp32 whatever the base dtype
-                    p.data = p.data.float()
-            opt = torch.optim.AdamW(params, lr=lr, weight_decay=learner.weight_decay)
-            self.adapters[name] = _AdapterState(name, opt, params)
+            self._train_adapter(name, lr)
+        if quantization != "none":
+            one_kernel_path(self.model)  # again: setting the mode above reset the int8 layers'
         self.model.set_adapter(next(iter(adapters)))
+
+    def _train_adapter(self, name: str, lr: float) -> None:
+        """Make `name`'s LoRA tensors trainable, in fp32 whatever the base dtype, with their own AdamW."""
+        params = [p for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n]
+        for p in params:
+            p.requires_grad_(True)
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=self.cfg.weight_decay)
+        self.adapters[name] = _AdapterState(name, opt, params)
+
+    # ---- adapters added and removed while the learner lives (`lora-async bench staleness`)
+    def add_adapter(self, name: str, lora: LoraConfig, lr: float, temperature: float, seed: int) -> None:
+        """A fresh adapter initialised from `seed` as a learner's first adapter is (`adapter_seed`),
+        with a new optimizer, at version 0."""
+        if name in self.model.peft_config:
+            raise ValueError(f"the learner already has an adapter {name!r}")
+        torch.manual_seed(adapter_seed(seed, 0))
+        cfg = peft_lora_config(lora)
+        self.model.add_adapter(name, cfg)
+        self.peft_configs[name] = cfg
+        self.temperatures[name] = temperature
+        self._train_adapter(name, lr)
+        if self.quantization != "none":
+            one_kernel_path(self.model)
+
+    def remove_adapter(self, name: str) -> None:
+        """Delete `name` (and its canary slot) with its optimizer; another adapter becomes active."""
+        others = [a for a in self.adapters if a != name]
+        if others and self.model.active_adapter in (name, f"{name}-snapshot"):
+            self.model.set_adapter(others[0])
+        for slot in (name, f"{name}-snapshot"):
+            if slot in self.model.peft_config:
+                self.model.delete_adapter(slot)
+            self.temperatures.pop(slot, None)
+        self.adapters.pop(name, None)
+        self.peft_configs.pop(name, None)
+
+    def set_objective(self, loss: LossConfig, scale: str) -> None:
+        """The loss and `learner.lr_scale` of the steps to come (a shared learner's next arm)."""
+        self.loss_cfg = loss
+        self.cfg = self.cfg.model_copy(update={"lr_scale": scale})
 
     # ---- versions
     def version(self, adapter: str) -> int:
@@ -228,7 +306,8 @@ class Learner:
         total_tokens = sum(s.trained_tokens for s in trained)
         plan = plan_step(trained, self.cfg.token_budget)
         part = self.accumulate(adapter, trained, plan, total_tokens)
-        update = self.apply_update(adapter, part.loss_sum / total_tokens if total_tokens else 0.0, total_tokens)
+        update = self.apply_update(adapter, part.loss_sum / total_tokens if total_tokens else 0.0, total_tokens,
+                                   lr_scale(self.cfg.lr_scale, part.stats))
         return step_stats(adapter, self.version(adapter), samples, total_tokens, len(plan), part, update, started)
 
     def begin_step(self, adapter: str, samples: list[TrainSample]) -> None:
@@ -263,11 +342,8 @@ class Learner:
         if kl_coef > 0:
             with torch.no_grad(), self.model.disable_adapter():
                 ref = completion_logprobs(self.model, mb, temperature, self.cfg.logprob_chunk)
-        loss_sum, stats = policy_loss(
-            logp, mb.behaviour, mb.advantages, None, self.loss_cfg.type,
-            clip_eps=self.loss_cfg.clip_eps, ratio_cap=self.loss_cfg.ratio_cap,
-            kl_coef=kl_coef, ref_logp=ref, stale=mb.stale,
-        )
+        loss_sum, stats = policy_loss(logp, mb.behaviour, mb.advantages, self.loss_cfg, ref_logp=ref,
+                                      stale=mb.stale, lag=mb.lag, lengths=mb.lengths)
         with torch.no_grad():
             on_policy = mb.lag == 0
             stats.onpolicy_tokens = int(on_policy.sum())
@@ -275,18 +351,20 @@ class Learner:
         (loss_sum / total_tokens).backward()
         return Accumulated(float(loss_sum.detach()), mb.padded_tokens, stats)
 
-    def apply_update(self, adapter: str, loss_value: float, total_tokens: int) -> Update:
-        """Clip the accumulated gradients and step, unless the loss or the gradient is not finite
-        (a data-parallel rank passes the all-reduced values, so every rank decides alike)."""
+    def apply_update(self, adapter: str, loss_value: float, total_tokens: int, scale: float = 1.0) -> Update:
+        """Clip the accumulated gradients and step with the learning rate times `scale`, unless
+        the loss or the gradient is not finite (a data-parallel rank passes the all-reduced values
+        and rank 0's scale, so every rank decides and steps alike)."""
         state = self.adapters[adapter]
-        update = Update()
+        update = Update(lr_scale=scale)
         if total_tokens:
             update.grad_norm = float(torch.nn.utils.clip_grad_norm_(state.params, self.cfg.grad_clip))
             update.nonfinite = not (math.isfinite(loss_value) and math.isfinite(update.grad_norm))
             if update.nonfinite:
                 state.skipped_nonfinite += 1
             else:
-                state.optimizer.step()
+                with scaled_lr(state.optimizer, scale):
+                    state.optimizer.step()
                 state.version += 1
                 update.updated = True
         state.optimizer.zero_grad(set_to_none=True)

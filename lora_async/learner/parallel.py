@@ -43,7 +43,7 @@ from ..config import LearnerConfig, LoraConfig, LossConfig
 from ..generator.types import AdapterVersion
 from ..placement import Placement
 from ..process_groups import make_store
-from .learner import Accumulated, StepStats, step_stats
+from .learner import Accumulated, StepStats, lr_scale, step_stats
 from .packing import plan_step, unit_tokens
 from .ranks import HOST, LearnerArgs, Rendezvous, all_reduce_step, broadcast_weights, dumps, loads, rank_main
 
@@ -199,14 +199,15 @@ class ParallelLearner:
         part.merge(mine)
         for handle in self.ranks:
             part.merge(self._expect(handle, "ready", self.timeouts.silence_s))
+        scale = lr_scale(local.cfg.lr_scale, part.stats)  # from every rank's sequences, so one for all
         for handle in self.ranks:
-            self._send(handle, "reduce")
+            self._send(handle, "reduce", scale)
         try:
             loss_sum = all_reduce_step(self.group, local.adapters[adapter].params, mine.loss_sum)
         except RuntimeError as exc:  # a rank died inside it, or it timed out
             dead = [h.death() for h in self.ranks if not h.process.is_alive()]
             self._fail("; ".join(dead) or f"the gradient all-reduce failed: {str(exc).splitlines()[0]}")
-        update = local.apply_update(adapter, loss_sum / total_tokens, total_tokens)
+        update = local.apply_update(adapter, loss_sum / total_tokens, total_tokens, scale)
         for handle in self.ranks:
             theirs, version = self._expect(handle, "ok", self.timeouts.silence_s)
             if version != local.version(adapter) or theirs.updated != update.updated:

@@ -126,9 +126,11 @@ class WorkerRank:
         learner.begin_step(adapter, samples)
         part = learner.accumulate(adapter, samples, plan, total_tokens, lambda: self.conn.send(("progress", None)))
         self.conn.send(("ready", part))
-        self.conn.recv()  # rank 0's go: every rank is ready, so the all-reduce starts together
+        # rank 0's go: every rank is ready, so the all-reduce starts together; with the step's
+        # learning-rate factor, which rank 0 computed from every rank's sequences
+        _, (scale,) = self.conn.recv()
         loss_sum = all_reduce_step(self.group, learner.adapters[adapter].params, part.loss_sum)
-        update = learner.apply_update(adapter, loss_sum / total_tokens, total_tokens)
+        update = learner.apply_update(adapter, loss_sum / total_tokens, total_tokens, scale)
         return update, learner.version(adapter)
 
     def load(self, adapter: str, blob: bytes) -> None:

@@ -12,6 +12,8 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from ..buffer import Group
+from ..lag_figures import run_averages
+from ..metrics import read_metrics
 from ..mode import PROBE_STEPS
 from ..timing import call_figures
 from .state import AdapterRun, Run, StepMarks
@@ -58,6 +60,8 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         "ratio_mean": ls.ratio_mean, "ratio_max": ls.ratio_max if ls.tokens else 1.0,
         "ratio_min": ls.ratio_min if ls.tokens else 1.0, "clip_frac": ls.clip_frac, "kl": ls.kl,
         "loss": stats.loss, "grad_norm": stats.grad_norm, "updated": stats.updated,
+        "ess_frac": ls.ess_frac, "lr_scale": stats.lr_scale,
+        **ls.lag_figures(),  # lag0/tokens, lag0/clip_frac, ... (lag_figures.py)
         "sync_ms": 0.0, "sync_wait_ms": 0.0, "learner_s": stats.seconds,
         "learner_wait_s": round(run.learner_clock.waited_s, 4),
         "step_s": round(elapsed, 4), **generator_split(marks, until),
@@ -120,6 +124,16 @@ def episode_figures(adapter: AdapterRun) -> dict[str, Any]:
     return figures
 
 
+def lag_averages(run: Run, adapter: str) -> dict[str, float | int]:
+    """The adapter's figures by lag over every step of the run, resumed sessions included (the
+    metrics file is the source of truth)."""
+    path = run.out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    rows = (r for r in read_metrics(path) if "kind" not in r and r.get("adapter") == adapter)
+    return {key: round(value, 6) for key, value in run_averages(rows).items()}
+
+
 def run_summary(run: Run) -> dict[str, Any]:
     """`OUT/summary.json`: the run's totals (per adapter, prefixed by its name in a fleet)."""
     summary: dict[str, Any] = {"steps": run.global_step, "wall_s": round(run.wall_s, 1),
@@ -145,6 +159,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         summary.update({f"{prefix}{key}": value for key, value in totals.items()})
         for row in (r for r in run.evals if r["adapter"] == name):
             summary[f"{prefix}accuracy_{row['when']}"] = row["accuracy"]
+        summary.update({f"{prefix}{key}": value for key, value in lag_averages(run, name).items()})
     summary.update(run.generator.stats.replica_figures())
     summary.update(time_totals(run))
     summary.update(run.choice.figures() if run.choice is not None else
