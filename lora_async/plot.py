@@ -1,6 +1,7 @@
 """`lora-async plot`: runs side by side against wall-clock (reward, held-out accuracy, policy lag,
 sync time; for environments reward, held-out success, tool-call rate and turns), one labelled
-line per run (and per adapter in a fleet). Below them, for each run whose step rows say where
+line per run (and per adapter in a fleet). Below them, the share of tokens the loss clipped or
+masked, one line style per lag bucket (`lag_figures.py`); then, for each run whose step rows say where
 the time went, a stacked panel: the generator's compute and idle time by cause, as shares of
 each step's interval. Headless matplotlib."""
 
@@ -12,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .lag_figures import BUCKET_NAMES
 from .metrics import read_metrics
 from .timing import IDLE_CAUSES
 
@@ -30,6 +32,11 @@ ENV_PANELS = (
     ("turns_mean", "turns per episode (line: rollouts, dots: held-out)"),
 )
 
+
+# The panel by lag (runs whose step rows have `lag*/clip_frac`, lag_figures.py): the share of each
+# bucket's tokens the loss clipped or masked; a run's colour, a line style per bucket.
+LAG_STYLES = ("-", "--", "-.", ":")
+LAG_PANEL_HEIGHT = 2.6  # inches
 
 # The stacked time panel, bottom to top: compute, then idle by cause (the row's keys, a label).
 TIME_PARTS = (("gen_compute_s", "compute"), *((f"gen_idle_{c}_s", f"idle: {c}") for c in IDLE_CAUSES))
@@ -84,6 +91,29 @@ def time_shares(rows: list[dict[str, Any]]) -> tuple[list[float], dict[str, list
             {key: [(r.get(key) or 0.0) / r["step_s"] for r in split] for key, _ in TIME_PARTS})
 
 
+def lag_series(rows: list[dict[str, Any]]) -> dict[str, tuple[list[float], list[float]]]:
+    """Per lag bucket that trained tokens: (wall-clock, clip fraction) of each step that had some."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for name in BUCKET_NAMES:
+        points = sorted((r["wall_s"], r[f"{name}/clip_frac"]) for r in rows
+                        if "kind" not in r and r.get(f"{name}/clip_frac") is not None)
+        if points:
+            xs, ys = zip(*points)
+            out[name] = (list(xs), list(ys))
+    return out
+
+
+def draw_lag_panel(ax: Any, series: dict[str, list[dict[str, Any]]], colours: dict[str, str]) -> None:
+    for name, rows in series.items():
+        for bucket, (xs, ys) in lag_series(rows).items():
+            ax.plot(xs, ys, linestyle=LAG_STYLES[BUCKET_NAMES.index(bucket)], color=colours.get(name),
+                    label=f"{bucket}" if len(series) == 1 else f"{name} {bucket}")
+    ax.set_title("tokens clipped or masked by the loss, by lag (line style: lag 0, 1, 2, 3+)")
+    ax.set_xlabel("wall-clock (s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small", ncol=4, frameon=False)
+
+
 def draw_time_panel(ax: Any, name: str, xs: list[float], shares: dict[str, list[float]]) -> None:
     """One series' stacked panel; each step's shares fill the interval before its row (step="pre")."""
     ax.stackplot(xs, *shares.values(), labels=[label for _, label in TIME_PARTS], colors=TIME_COLOURS, step="pre")
@@ -109,12 +139,15 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, group_s
     episodic = any("episodes" in r for rows in series.values() for r in rows if "kind" not in r)
     timed = {name: split for name, rows in series.items() if (split := time_shares(rows))[0]}
     time_rows = math.ceil(len(timed) / 2)
-    fig = plt.figure(figsize=(11, 7 + TIME_PANEL_HEIGHT * time_rows))
-    grid = fig.add_gridspec(2 + time_rows, 2)
+    by_lag = {name: rows for name, rows in series.items() if lag_series(rows)}
+    lag_rows = 1 if by_lag else 0
+    fig = plt.figure(figsize=(11, 7 + LAG_PANEL_HEIGHT * lag_rows + TIME_PANEL_HEIGHT * time_rows))
+    grid = fig.add_gridspec(2 + lag_rows + time_rows, 2)
     first = fig.add_subplot(grid[0, 0])
     axes = [[first, fig.add_subplot(grid[0, 1], sharex=first)],
             [fig.add_subplot(grid[1, 0], sharex=first), fig.add_subplot(grid[1, 1], sharex=first)]]
     flat = [ax for row in axes for ax in row]
+    colours: dict[str, Any] = {}  # each series' colour, as the first panel drew it
     for ax, (key, label) in zip(flat, ENV_PANELS if episodic else PANELS):
         for name, rows in series.items():
             steps = [(r["wall_s"], r[key]) for r in rows if "kind" not in r and r.get(key) is not None]
@@ -126,12 +159,16 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, group_s
                 color = ax.plot(xs, ys, label=legend, color=color, alpha=0.8 if group_seeds else 1.0)[0].get_color()
             if evals:
                 xs, ys = zip(*sorted(evals))
-                ax.plot(xs, ys, marker="o", markersize=3, color=color, linestyle=":" if steps else "-",
-                        label=None if steps else legend)
+                color = ax.plot(xs, ys, marker="o", markersize=3, color=color, linestyle=":" if steps else "-",
+                                label=None if steps else legend)[0].get_color()
+            colours.setdefault(name, color)
         ax.set_title(label)
         ax.grid(alpha=0.3)
+    if by_lag:
+        draw_lag_panel(fig.add_subplot(grid[2, :], sharex=first), by_lag, colours)
     for i, (name, (clock, parts)) in enumerate(timed.items()):
-        where = grid[2 + i // 2, :] if len(timed) == 1 else grid[2 + i // 2, i % 2]
+        row = 2 + lag_rows + i // 2
+        where = grid[row, :] if len(timed) == 1 else grid[row, i % 2]
         ax = fig.add_subplot(where, sharex=first)
         draw_time_panel(ax, name, clock, parts)
         ax.set_xlabel("wall-clock (s)")
