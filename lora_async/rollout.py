@@ -11,6 +11,7 @@ How episodes end and what they come to (`Outcome`, `EpisodeStats`) are `outcomes
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -70,13 +71,28 @@ class RolloutContext:
     its requests carry (what a learner step's `abort_older` stops), where its reward, tool
     and environment waits are recorded (`timing.Waits`; the default records nothing), and
     whether a generation that a learner step stops is continued on the newest version
-    (`partial`: the run's `buffer.partial_rollouts` while it trains asynchronously)."""
+    (`partial`: the run's `buffer.partial_rollouts` while it trains asynchronously), and the
+    group's sampling seed (`seed`: from the run's seed and the group's index, so two runs of one
+    seed draw alike where their versions agree; `sub_seed` derives one per request)."""
 
     generate: Generate
     tokenizer: Any
     tag: object = None
     waits: Waits = NO_WAITS
     partial: bool = False
+    seed: int | None = None
+
+
+SEED_BITS = 31  # vLLM adds the completion's index to a request's seed: stay far from int64's end
+
+
+def sub_seed(seed: int | None, *parts: int) -> int | None:
+    """An independent sampling seed for one part of a group (a run seed and a group index; an
+    episode and a request within it), or None for unseeded sampling."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(repr((seed, *parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (1 << SEED_BITS)
 
 
 @dataclass

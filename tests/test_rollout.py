@@ -417,3 +417,51 @@ def test_checkpointed_counters_keep_their_keys_and_old_checkpoints_resume():
     assert all(saved[k] == v for k, v in OLD_CHECKPOINT_COUNTERS.items())  # every old key, flat, as before
     assert Counters.from_dict(saved) == counters
     assert Counters.from_dict({"unknown_counter": 1}) == Counters()  # a newer release's key is left out
+
+
+def test_a_groups_requests_are_seeded_from_the_run_seed_and_its_index(tmp_path, env_module):
+    """Two runs of one seed sample alike (the staleness benchmark pairs its arms so): every request
+    of a group carries a seed from (run seed, group index), each episode and turn its own."""
+    from lora_async.rollout import sub_seed
+
+    def requests(config: TrainConfig, seed: int | None, index: int) -> list[GenRequest]:
+        source = make_source(config.adapter_specs[0], config, seed=0)
+        generate = Recorder(fake_generator(alternating))
+        asyncio.run(source.rollout(index, RolloutContext(generate, ByteTokenizer(), ROLLOUT_TAG, seed=seed)))
+        source.close()
+        return generate.requests
+
+    single = single_turn(tmp_path)
+    (request,) = requests(single, sub_seed(0, 5), 5)
+    assert request.seed == sub_seed(0, 5) and requests(single, sub_seed(0, 5), 5)[0].seed == request.seed
+    assert len({sub_seed(0, 5), sub_seed(0, 6), sub_seed(1, 5)}) == 3  # another index or run seed: another seed
+    assert requests(single, None, 5)[0].seed is None  # no seed: sampled as vLLM pleases
+    played = requests(environment(f"{env_module}:make"), sub_seed(0, 2), 2)
+    seeds = [r.seed for r in played]
+    assert None not in seeds and len(set(seeds)) == len(seeds) > 4  # every episode and turn its own
+    first_turns = {sub_seed(sub_seed(sub_seed(0, 2), episode), 1) for episode in range(4)}
+    assert first_turns <= set(seeds)  # episode i's first request, in any run of this seed
+
+
+def test_the_producers_seed_each_group_from_the_run_seed(tmp_path):
+    from lora_async.orchestrator import train
+    from lora_async.rollout import sub_seed
+
+    from .fakes import FakeParts
+
+    cfg = single_turn(tmp_path).model_copy(deep=True)
+    cfg.run.max_steps, cfg.run.output_dir, cfg.run.progress = 2, str(tmp_path / "out"), False
+    cfg.learner.groups_per_step = 1
+    seen: list[GenRequest] = []
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.01)
+    submit = parts.fake_generator.submit
+
+    def recording(request, on_done):
+        seen.append(request)
+        submit(request, on_done)
+
+    parts.fake_generator.submit = recording  # type: ignore[method-assign]
+    asyncio.run(train(cfg, console=Console(file=io.StringIO()), parts=parts))
+    rollouts = [r for r in seen if r.tag == ROLLOUT_TAG]
+    assert rollouts and all(r.seed is not None for r in rollouts)
+    assert {r.seed for r in rollouts} <= {sub_seed(cfg.run.seed, i) for i in range(len(rollouts) + 8)}

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..generator.types import GenRequest, GenResult, GenStatus
 from ..outcomes import Outcome
-from ..rollout import Generate
+from ..rollout import Generate, sub_seed
 from ..timing import NO_WAITS, Wait, Waits
 from .api import Message, Reply, StepResult, ToolCall, ToolResult
 from .render import ChatRenderer
@@ -175,13 +175,15 @@ class Episode:
 
     def __init__(self, env: Any, renderer: ChatRenderer, toolbox: ToolBox | None, settings: EpisodeSettings,
                  generate: Generate, adapter: str | None,
-                 tag: object, group: object = None, waits: Waits = NO_WAITS) -> None:
+                 tag: object, group: object = None, waits: Waits = NO_WAITS, seed: int | None = None) -> None:
         """`tag` goes on every request (the orchestrator's rollout tag: what `abort_older` stops);
         so does `group`, shared by the episodes of one group (a generator with replicas keeps
-        them, turn after turn, on one replica). Environment and tool calls are timed in `waits`."""
+        them, turn after turn, on one replica). Environment and tool calls are timed in `waits`.
+        `seed` seeds the episode's sampling, each request with its own (`rollout.sub_seed`)."""
         self.env, self.renderer, self.toolbox, self.settings = env, renderer, toolbox, settings
         self.generate, self.adapter, self.tag, self.group = generate, adapter, tag, group
-        self.waits = waits
+        self.waits, self.seed = waits, seed
+        self.requests = 0
         self.tokenizer = renderer.tokenizer
 
     async def play(self) -> Trajectory:
@@ -238,9 +240,11 @@ class Episode:
                     raise ContextFull()
                 return reply, "length"
             prompt = traj.prompt_ids + traj.ids
+            self.requests += 1
             result = await self.generate(GenRequest(prompt, self.adapter, n=1, max_tokens=room,
                                                     temperature=s.temperature, top_p=s.top_p, tag=self.tag,
-                                                    keep_partial=s.partial, group=self.group))
+                                                    keep_partial=s.partial, group=self.group,
+                                                    seed=sub_seed(self.seed, self.requests)))
             sample = result.samples[0] if result.samples else None
             if result.status is GenStatus.STOPPED and sample is not None and result.version is not None:
                 traj.sampled(sample.token_ids, sample.logprobs, result.version)

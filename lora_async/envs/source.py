@@ -25,7 +25,7 @@ from ..buffer import Group, TrainSample, group_advantages
 from ..config import EnvTask
 from ..errors import error_line
 from ..outcomes import EpisodeStats, Outcome
-from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext
+from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext, sub_seed
 from ..config import auto_workers
 from ..rewards import Batch, Rewards, make_rewards
 from ..timing import NO_WAITS, Waits
@@ -154,8 +154,8 @@ class EnvSource:
         # the episodes play at once: their environment, tool and reward calls overlap
         settings = self.settings if ctx.partial else dataclasses.replace(self.settings, partial=False)
         played = await asyncio.gather(*(self.play(index, "train", ctx.tokenizer, settings, ctx.generate,
-                                                  self.adapter, ctx.tag, group_key, ctx.waits)
-                                        for _ in range(self.group_size)),
+                                                  self.adapter, ctx.tag, group_key, ctx.waits, sub_seed(ctx.seed, i))
+                                        for i in range(self.group_size)),
                                       return_exceptions=True)
         unexpected = [p for p in played if isinstance(p, BaseException) and not isinstance(p, EpisodeAborted)]
         if unexpected:
@@ -196,14 +196,16 @@ class EnvSource:
                           examples=[transcript(t) for t in episodes[:EVAL_EXAMPLES]], extra=stats.eval_figures())
 
     async def play(self, index: int, split: Split, tokenizer: Any, settings: EpisodeSettings, generate: Generate,
-                   adapter: str | None, tag: object, group: object = None, waits: Waits = NO_WAITS) -> Trajectory:
+                   adapter: str | None, tag: object, group: object = None, waits: Waits = NO_WAITS,
+                   seed: int | None = None) -> Trajectory:
         """One episode of problem `index`. Environment faults end it as `env_error` (counted);
         generation faults raise `EpisodeAborted`. Its environment, tool and reward calls are timed
-        in `waits` (a training rollout's; held-out episodes record nothing)."""
+        in `waits` (a training rollout's; held-out episodes record nothing); `seed` seeds its
+        sampling (None: unseeded)."""
         try:
             env = await self.build(index, split)
             trajectory = await Episode(env, self.renderer(tokenizer), self.toolbox, settings, generate, adapter,
-                                       tag, group, waits).play()
+                                       tag, group, waits, seed).play()
         except (EpisodeError, TypeError) as exc:
             trajectory = Trajectory([], outcome=Outcome.ENV_ERROR, error=str(exc))
         if trajectory.outcome is Outcome.DONE and self.reward is not None:

@@ -16,7 +16,7 @@ import asyncio
 
 from ..buffer import Group
 from ..generator.types import GenStatus
-from ..rollout import GroupRollout, RolloutContext
+from ..rollout import GroupRollout, RolloutContext, sub_seed
 from ..timing import Wait
 from .state import AdapterRun, Run, TrainingError
 
@@ -47,8 +47,9 @@ async def produce(run: Run, adapter: AdapterRun) -> None:
             if not run.running:
                 return
             # partial rollouts follow the mode in force (an auto run may turn async mid-run)
-            ctx = RolloutContext(run.generate, run.tokenizer, ROLLOUT_TAG, adapter.waits, run.partial_rollouts)
             index = adapter.next_problem
+            ctx = RolloutContext(run.generate, run.tokenizer, ROLLOUT_TAG, adapter.waits, run.partial_rollouts,
+                                 sub_seed(run.config.run.seed, index))
             adapter.next_problem += 1
             adapter.admission.group_started()
             adapter.counters.groups_started += 1

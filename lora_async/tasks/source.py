@@ -25,7 +25,7 @@ from ..buffer import Group, TrainSample, group_advantages
 from ..config import SamplingConfig
 from ..generator.types import GenRequest, GenResult, GenStatus, Sample
 from ..outcomes import EpisodeStats
-from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext
+from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext, sub_seed
 from .problems import Task, render_prompt
 
 GREEDY = 0.0  # vLLM treats temperature 0 as greedy decoding
@@ -86,7 +86,7 @@ class SingleTurnSource:
         result = await ctx.generate(GenRequest(prompt_ids, self.adapter, n=sampling.samples_per_prompt,
                                                max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                                top_p=sampling.top_p, tag=ctx.tag, keep_partial=ctx.partial,
-                                               group=group_key))
+                                               group=group_key, seed=ctx.seed))
         resumed = EpisodeStats()
         if result.version is None or not (result.ok or (ctx.partial and result.status is GenStatus.STOPPED)):
             return GroupRollout.failed(result)
@@ -94,8 +94,8 @@ class SingleTurnSource:
         drawn = [Drawn() for _ in range(sampling.samples_per_prompt if stopped else len(result.samples))]
         for d, s in zip(drawn, result.samples):
             d.add(s, result.version)
-        failures = await asyncio.gather(*(self._finish(d, prompt_ids, group_key, ctx, resumed)
-                                          for d in drawn if not d.finished))
+        failures = await asyncio.gather(*(self._finish(i, d, prompt_ids, group_key, ctx, resumed)
+                                          for i, d in enumerate(drawn) if not d.finished))
         failed = next((f for f in failures if f is not None), None)
         if failed is not None:
             return GroupRollout.failed(failed, episodes=resumed)
@@ -111,11 +111,13 @@ class SingleTurnSource:
         return GroupRollout(group, tokens=sum(len(ids) for ids in completion_ids), episodes=resumed,
                             fault=None if scores.fault is None else f"the reward failed: {scores.fault}")
 
-    async def _finish(self, drawn: Drawn, prompt_ids: list[int], group_key: object, ctx: RolloutContext,
-                      resumed: EpisodeStats) -> GenResult | None:
-        """Draw the rest of a stopped completion on the newest version, as often as it is stopped
-        again; each continuation is counted in `resumed`. The result that failed it, or None."""
+    async def _finish(self, which: int, drawn: Drawn, prompt_ids: list[int], group_key: object,
+                      ctx: RolloutContext, resumed: EpisodeStats) -> GenResult | None:
+        """Draw the rest of the group's stopped completion `which` on the newest version, as often
+        as it is stopped again; each continuation is counted in `resumed`. The result that failed
+        it, or None."""
         sampling = self.sampling
+        continuations = 0
         while not drawn.finished:
             left = sampling.max_new_tokens - len(drawn.token_ids)
             if left < 1:  # stopped right as it reached the limit
@@ -124,9 +126,11 @@ class SingleTurnSource:
             prompt = prompt_ids + drawn.token_ids
             resumed.resumed_turns += 1
             resumed.tokens_reprefilled += len(prompt)
+            continuations += 1
             result = await ctx.generate(GenRequest(prompt, self.adapter, n=1, max_tokens=left,
                                                    temperature=sampling.temperature, top_p=sampling.top_p,
-                                                   tag=ctx.tag, keep_partial=True, group=group_key))
+                                                   tag=ctx.tag, keep_partial=True, group=group_key,
+                                                   seed=sub_seed(ctx.seed, which, continuations)))
             stopped = result.status is GenStatus.STOPPED
             if not (result.ok or stopped) or (result.ok and len(result.samples) != 1):
                 return result
