@@ -51,6 +51,32 @@ def steps(cfg: TrainConfig) -> list[dict]:
     return [r for r in read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl") if "kind" not in r]
 
 
+@pytest.mark.parametrize("lag", [1, 3])
+def test_a_fixed_lag_trains_every_sample_exactly_that_many_versions_behind(tmp_path, lag):
+    cfg = config(tmp_path, buffer={"mode": "async", "max_staleness": lag, "fixed_lag": lag,
+                                   "partial_rollouts": False})
+    parts = FakeParts(["main"], gen_delay=lambda: 0.02, step_s=0.1)
+    run(cfg, parts)
+    trained = parts.fake_learner.trained
+    assert len(trained) == 8
+    for t in trained:
+        if t.learner_version >= lag:  # from then on, every sample was drawn exactly `lag` versions back
+            assert t.lags == [lag] * len(t.lags), (t.learner_version, t.lags)
+            assert t.in_flight == 0  # and nothing generated while the learner trained
+        else:  # before that only version 0 exists
+            assert set(t.versions) == {0}
+    # the generator never served a version newer than the learner's minus the lag
+    assert parts.fake_generator.live_versions("main")[-1] == 8 - lag
+    assert all(r["policy_lag_mean"] == lag for r in steps(cfg) if r["step"] > lag)
+
+
+@pytest.mark.parametrize("buffer", [{"mode": "auto"}, {"mode": "async", "max_staleness": 1},
+                                    {"mode": "async", "max_staleness": 2, "partial_rollouts": True}])
+def test_a_fixed_lag_needs_async_at_that_staleness_without_partial_rollouts(tmp_path, buffer):
+    with pytest.raises(ValueError, match="buffer.fixed_lag"):
+        config(tmp_path, buffer={"partial_rollouts": False, "max_staleness": 2, **buffer, "fixed_lag": 2})
+
+
 @pytest.mark.parametrize("staleness", [0, 1, 2])
 def test_admission_keeps_every_sample_within_max_staleness(tmp_path, staleness):
     cfg = config(tmp_path, buffer={"mode": "async" if staleness else "sync", "max_staleness": staleness})

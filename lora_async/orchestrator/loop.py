@@ -28,7 +28,7 @@ from .auto import observe
 from .batches import start_collectors
 from .lifecycle import Parts, StopSwitch, finish_run, install_stop_signals, setup_run, stop_workers
 from .periodic import after_step, evaluate_all, save_snapshot
-from .publish import publish_and_record, publish_initial
+from .publish import held_back, publish_and_record, publish_initial
 from .rollouts import ROLLOUT_TAG, start_producers
 from .rows import step_row
 from .state import AdapterRun, Run, TrainingError, samples_of
@@ -122,7 +122,8 @@ async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None
     adapter.marks = ended
     if version is not None and snapshot_due(run, adapter):
         save_snapshot(run, adapter, version, row["wall_s"])
-    adapter.publishing = asyncio.create_task(publish_and_record(run, adapter, version, row, adapter.publishing))
+    adapter.publishing = asyncio.create_task(publish_and_record(run, adapter, held_back(run, adapter, version), row,
+                                                                adapter.publishing))
     await after_step(run, adapter)
 
 

@@ -33,6 +33,19 @@ async def publish_initial(run: Run) -> None:
     await run.notify()
 
 
+def held_back(run: Run, adapter: AdapterRun, version: AdapterVersion | None) -> AdapterVersion | None:
+    """The version to hand the generator after a step: the new one, or with `buffer.fixed_lag = k`
+    the one k versions older (None until there is one). The generator then serves k versions
+    behind the learner, and admission (`admission.py`), counting those k as unpublished, starts
+    groups only while the learner waits: every sample trains at lag k. The held versions are
+    not checkpointed; a resumed run serves its newest version at first."""
+    lag = run.config.buffer.fixed_lag
+    if lag is None or version is None:
+        return version
+    adapter.held.append(version)
+    return adapter.held.popleft() if len(adapter.held) > lag else None
+
+
 async def publish_and_record(run: Run, adapter: AdapterRun, version: AdapterVersion | None,
                              row: dict[str, Any], previous: asyncio.Task | None) -> None:
     """Register a new version (after the previous one), then write its step's metrics line."""

@@ -11,6 +11,7 @@ A run is RUNNING until one of these, whichever comes first:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import enum
 import math
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from rich.console import Console
 
 from ..buffer import Group, RolloutBuffer, TrainSample
-from ..generator.types import GenRequest, GenResult, Generator, GeneratorStats, generate_async
+from ..generator.types import AdapterVersion, GenRequest, GenResult, Generator, GeneratorStats, generate_async
 from ..learner.api import LearnerAPI
 from ..mode import Choice
 from ..outcomes import EpisodeStats
@@ -116,6 +117,7 @@ class AdapterRun:
     trained: asyncio.Event = field(default_factory=asyncio.Event)
     rejected_in_a_row: int = 0
     publishing: asyncio.Task | None = None  # the newest version's hand-off (and metrics line)
+    held: collections.deque[AdapterVersion] = field(default_factory=collections.deque)  # `buffer.fixed_lag`
     waits: Waits = field(default_factory=Waits)  # its rollouts' waits (`Run.board.waits()` in a run)
 
     @property
