@@ -35,7 +35,7 @@ CONFIG_ERROR_EXIT = 2  # the CLI's exit code for a config mistake, found before 
 
 
 # Adapters the shared engine is sized for (LoRA slots): every name a test publishes on it.
-SHARED_ADAPTERS = ("a", "b", "c", "x", "ref", "main")
+SHARED_ADAPTERS = ("a", "b", "c", "x", "ref", "main", "gone")
 REFERENCE_SEEDS = (1, 2)  # the reference adapter's versions 0 and 1 (random LoRAs from these seeds)
 
 

@@ -345,3 +345,42 @@ def test_base_and_adapters_share_a_batch(engine, tiny_model):
         assert res.version == (None if req.adapter is None else v)
         assert len(res.samples[0].token_ids) == len(res.samples[0].logprobs) > 0
         assert res.samples[0].finish_reason in ("stop", "length")
+
+
+def test_retiring_an_adapter_removes_every_version_and_aborts_its_requests(engine, tiny_model):
+    """What a run that ends on a shared engine leaves (`lora-async bench staleness`): nothing."""
+    first = next_version(engine, "gone")
+    for v in (first, first + 1):
+        publish(engine, random_adapter(tiny_model, "gone", v, seed=71 + v))
+    ids = {lv.int_id for lv in engine.registry.all_live() if lv.adapter == "gone"}
+    assert len(ids) == 2 and ids <= set(engine.engine_lora_ids())
+    other = next_version(engine, "a")
+    publish(engine, random_adapter(tiny_model, "a", other, seed=73))
+    running: list = []
+    engine.submit(GenRequest(PROMPTS[0], "gone", max_tokens=200, min_tokens=200, **GREEDY), running.append)
+    retired = engine.retire_adapter("gone")
+    assert sorted(retired) == [f"gone@v{first}", f"gone@v{first + 1}"]
+    deadline = time.time() + 60
+    while not running and time.time() < deadline:
+        time.sleep(0.02)
+    assert running[0].status is GenStatus.ABORTED_STALE
+    assert engine.live_versions("gone") == [] and not ids & set(engine.engine_lora_ids())
+    assert greedy(engine, "a", PROMPTS[0]).version == other  # the other adapters serve on
+    with pytest.raises(RegistryError):  # its numbers stay taken
+        publish(engine, random_adapter(tiny_model, "gone", first + 1, seed=75))
+    refused = generate(engine, GenRequest(PROMPTS[0], "gone", max_tokens=2, **GREEDY))
+    assert refused.status is GenStatus.REFUSED
+
+
+def test_a_seeded_request_draws_the_same_completions_again(engine):
+    """Runs of one seed sample alike (`rollout.sub_seed`): the same seed, one request at a time,
+    gives the same tokens; its n completions differ from each other, and another seed differs."""
+    def draw(seed: int) -> list[list[int]]:
+        result = generate(engine, GenRequest(PROMPTS[1], None, n=4, max_tokens=12, temperature=1.0, seed=seed))
+        assert result.ok
+        return [s.token_ids for s in result.samples]
+
+    once, again, other = draw(1234), draw(1234), draw(4321)
+    assert once == again
+    assert len({tuple(ids) for ids in once}) > 1
+    assert once != other

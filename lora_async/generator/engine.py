@@ -138,6 +138,12 @@ class VllmGenerator:
 
         return self.register(Delivery(adapter, version, size, "peft-dir", load, path=str(path)))
 
+    def retire_adapter(self, adapter: str) -> list[str]:
+        """Remove every version of `adapter` from the engine, aborting what still runs on them: a
+        run that ends on an engine others go on using (`lora-async bench staleness`). Its version
+        numbers stay taken: the name is never served again with older numbers."""
+        return self._call(lambda: self._retire_adapter(adapter))
+
     def engine_lora_ids(self) -> list[int]:
         return self.run_in_engine(lambda client: client.lora_ids())
 
@@ -257,6 +263,11 @@ class VllmGenerator:
         doomed = [rid for rid, p in self._pending.items() if p.request.tag == tag and p.live is not None
                   and p.live.adapter == adapter and p.live.version < min_version]
         self._abort(doomed, GenStatus.ABORTED_STALE, f"aborted: too stale to train (below v{min_version})")
+
+    def _retire_adapter(self, adapter: str) -> list[str]:
+        doomed = [rid for rid, p in self._pending.items() if p.live is not None and p.live.adapter == adapter]
+        self._abort(doomed, GenStatus.ABORTED_STALE, f"aborted: {adapter} was retired")
+        return [self._retire(live) for live in self.registry.all_live() if live.adapter == adapter]
 
     def _evict(self, live: LiveVersion | None) -> None:
         """The engine is full: abort what still runs on the oldest out-of-window version."""
