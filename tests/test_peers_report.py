@@ -63,6 +63,20 @@ def test_summary_reads_startup_marks_and_where_the_time_went(tmp_path):
     assert s["learner_s"] == pytest.approx(10.0) and s["sync_s"] == pytest.approx(0.05)
 
 
+def test_throughput_is_measured_up_to_the_target_once_a_run_reaches_it(tmp_path):
+    # 100 tokens a step until the target at step 2 (20 s), then flat groups: 10 a step
+    rows = [{"step": s, "wall_s": 10.0 * s, "tokens_trained": 100 if s <= 2 else 10,
+             "tokens_generated_total": 400 * s} for s in range(1, 7)]
+    rows += [{"kind": "eval", "step": 2, "wall_s": 20.0, "accuracy": 0.9}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = summarize_run(tmp_path, budget=60, target=0.8)
+    assert s["throughput_until"] == "target" and s["trained_tokens_per_s"] == pytest.approx(10.0)
+    assert s["gen_tokens_per_s"] == pytest.approx(40.0)
+    assert s["trained_tokens_per_s_all"] == pytest.approx(240 / 60)  # what the whole budget would have said
+    never = summarize_run(tmp_path, budget=60, target=0.95)
+    assert never["throughput_until"] == "end" and never["trained_tokens_per_s"] == pytest.approx(240 / 60)
+
+
 def test_a_trl_run_reports_its_generation_seconds(tmp_path):
     rows = [{"step": 1, "wall_s": 8.0, "gen_s": 3.0, "learner_s": 5.0},
             {"step": 2, "wall_s": 16.0, "gen_s": 2.5, "learner_s": 5.5}]

@@ -14,7 +14,9 @@ one engine (`snapshots.py`). `target` is the held-out accuracy (success rate) wh
 crossing is timed.
 
 Per mode the report gives each seed's figures and their medians: time to the target, trained
-tokens/s, the generator's and the learner's idle shares, and where the time went
+tokens/s up to the target (after it a run's groups go flat and its tokens/s stops meaning
+anything; over the whole budget as `trained_tokens_per_s_all`), the generator's and the
+learner's idle shares, and where the time went
 (`proc.time_split`); `split_table` sets the modes side by side (also in `OUT/time_split.md`).
 """
 
@@ -38,7 +40,8 @@ MODES: dict[str, tuple[str, bool]] = {
     "auto": ("auto", True),
 }
 # The per-seed figures whose medians the report gives.
-MEDIANS = ("time_to_target_s", "trained_tokens_per_s", "gen_tokens_per_s", "steps", "gen_idle_frac",
+MEDIANS = ("time_to_target_s", "trained_tokens_per_s", "gen_tokens_per_s", "trained_tokens_per_s_all", "steps",
+           "gen_idle_frac",
            "learner_idle_share", "accuracy_end", "accuracy_max", "policy_lag_mean", "resumed_turns",
            *SPLIT_SHARES)
 
@@ -178,7 +181,7 @@ def headline_table(report: dict[str, Any]) -> str:
     """The per-mode figures the issue asks for, medians over seeds."""
     modes = [mode for mode in report.get("modes", []) if isinstance(report.get(mode), dict)]
     rows = [("time to target (s)", "time_to_target_s", "{:.0f}"), ("reached", "reached", "{}"),
-            ("steps", "steps", "{:.0f}"), ("trained tokens/s", "trained_tokens_per_s", "{:.1f}"),
+            ("steps", "steps", "{:.0f}"), ("trained tokens/s, up to the target", "trained_tokens_per_s", "{:.1f}"),
             ("generator idle", "gen_idle_frac", "{:.0%}"), ("learner idle (waiting for data)", "learner_idle_share",
                                                             "{:.0%}"),
             ("held-out accuracy, end", "accuracy_end", "{:.2f}"), ("mean policy lag", "policy_lag_mean", "{:.2f}"),

@@ -20,21 +20,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-ADAPTER = "main"  # the adapter's name in metrics rows (lora-async's name for a single adapter)
+ADAPTER = "main"  # the adapter's name in a TRL run's rows (lora-async's default name for a single adapter)
 EVAL_SLOT = "eval"  # the engine's name for the adapter under evaluation; each snapshot is a new version
 
 
 def snapshots(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's saved adapters in step order: step, wall_s, when, path."""
+    """The run's saved adapters in step order: step, wall_s, when, path, adapter (a single-adapter
+    run's, whatever its name)."""
     from ..metrics import read_metrics
 
     listed = run_dir / "snapshots.jsonl"
     if listed.is_file():
-        return read_metrics(listed)
+        return [{"adapter": ADAPTER, **s} for s in read_metrics(listed)]
     found = []
-    for info_file in (run_dir / "adapters" / ADAPTER).glob("v*/lora_async.json"):
+    for info_file in (run_dir / "adapters").glob("*/v*/lora_async.json"):
         info = json.loads(info_file.read_text())  # a snapshot, or the final adapter (stamped at the end)
-        found.append({"step": info["step"], "wall_s": info["wall_s"],
+        found.append({"step": info["step"], "wall_s": info["wall_s"], "adapter": info_file.parent.parent.name,
                       "when": "snapshot" if info.get("snapshot") else "end", "path": str(info_file.parent.resolve())})
     return sorted(found, key=lambda s: (s["step"], s["when"] != "snapshot"))
 
@@ -60,7 +61,7 @@ def score_runs(config: Any, runs: list[tuple[Path, list[dict[str, Any]]]], log: 
                     engine.load_dir(EVAL_SLOT, version, Path(snap["path"]))
                     version += 1
                     result = engine.run(source, EVAL_SLOT)
-                    rows.append({"kind": "eval", "when": snap["when"], "adapter": ADAPTER, "step": snap["step"],
+                    rows.append({"kind": "eval", "when": snap["when"], "adapter": snap["adapter"], "step": snap["step"],
                                  "version": snap["step"], "wall_s": snap["wall_s"], "accuracy": result.accuracy,
                                  "mean_reward": result.mean_reward, "n": result.n})
                     log(f"{run_dir.name}: step {snap['step']:>4}  wall {snap['wall_s']:>7.1f}s  "
@@ -77,14 +78,14 @@ def replace_eval_rows(metrics: Path, rows: list[dict[str, Any]]) -> None:
     metrics.write_text("".join(f"{line}\n" for line in kept) + "".join(json.dumps(r) + "\n" for r in rows))
 
 
-def score_dirs(config: Any, run_dirs: list[Path]) -> None:
+def score_dirs(config: Any, run_dirs: list[Path], log: Any = print) -> None:
     """Score every run's snapshots and write them back (`replace_eval_rows`, `eval.json`)."""
     began = time.perf_counter()
     runs = [(d, snapshots(d)) for d in run_dirs]
     empty = [str(d) for d, snaps in runs if not snaps]
     if empty:
         raise SystemExit(f"error: no saved adapters to score in {', '.join(empty)} (run.save_every = 0?)")
-    for (run_dir, snaps), rows in zip(runs, score_runs(config, runs)):
+    for (run_dir, snaps), rows in zip(runs, score_runs(config, runs, log)):
         replace_eval_rows(run_dir / "metrics.jsonl", rows)
         (run_dir / "eval.json").write_text(json.dumps({"snapshots": len(rows),
                                                         "eval_s": round(time.perf_counter() - began, 1)}))

@@ -118,6 +118,47 @@ def bench_e2e(
                f"{split_table(report)}", err=True)
 
 
+@bench_app.command("staleness")
+def bench_staleness(
+    config: Path = typer.Argument(..., help=CONFIG_HELP),
+    losses: str = typer.Option("ppo-clip,m2po,cispo,topr", "--losses",
+                               help="Comma list of loss types (ppo-clip, tis, decoupled, none, m2po, cispo, topr); "
+                                    "append +ess for learner.lr_scale = 'ess' (m2po+ess)."),
+    lags: str = typer.Option("0,2,4", "--lags", help="Comma list of fixed lags k (0 = sync)."),
+    seeds: str = typer.Option("0", "--seeds", help="Comma list of seeds; every arm runs each, paired."),
+    steps: int = typer.Option(16, "--steps", min=1, help="Learner steps per arm."),
+    target: float = typer.Option(0.5, "--target", help="Held-out accuracy whose steps and time are reported."),
+    eval_every: int = typer.Option(1, "--eval-every", min=1,
+                                   help="Save (and afterwards score) the adapter every N steps."),
+    out: Path = typer.Option(Path("runs/bench-staleness"), "--out",
+                             help="Where the arms go; arms finished there with the same config are kept."),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
+    """Every loss at a fixed lag k (the generator held k versions behind the learner) and at
+    k = 0, with paired seeds, in one process on one engine; held-out accuracy scored afterwards.
+    Reports steps and time to the target per loss and k, the figures by lag, and a chart."""
+    from ..bench.staleness import BenchError, diagnostics_markdown, markdown, parse_losses, run_staleness_bench
+
+    try:
+        loss_list = parse_losses(losses)
+        lag_list = sorted({int(k) for k in lags.split(",") if k.strip()})
+        seed_list = [int(s) for s in seeds.split(",") if s.strip()]
+    except BenchError as exc:
+        fail(str(exc))
+    except ValueError:
+        fail("--lags and --seeds: give integers like '0,2,4'")
+    if not lag_list or min(lag_list) < 0 or not seed_list:
+        fail("--lags and --seeds: give at least one of each, lags >= 0")
+    cfg = load_or_exit(config, set_)
+    try:
+        result = run_staleness_bench(cfg, loss_list, lag_list, seed_list, steps, target, out, eval_every,
+                                     log=lambda line: typer.echo(line, err=True))
+    except BenchError as exc:
+        fail(str(exc))
+    typer.echo(f"\n{markdown(result)}\n\n{diagnostics_markdown(result)}\n\nreport: {out / 'report.json'}, "
+               f"table: {out / 'table.md'}, chart: {out / 'staleness.png'}", err=True)
+
+
 @bench_app.command("rewards")
 def bench_rewards(
     groups: int = typer.Option(48, "--groups", min=1, help="Groups scored in all."),
