@@ -2,5 +2,6 @@
 
     calculator   2-digit multiplication with a `calculate` tool (tool use, 2-3 turns)
     sandbox      the same with a `run_python` code interpreter (programs run in envs/sandbox.py)
+    programs     questions whose programs need a loop (primes, divisors, ranges, multiples), same tool
     guess        guess a number with higher/lower replies (feedback, long-tailed lengths)
 """
