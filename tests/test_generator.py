@@ -47,9 +47,12 @@ def test_lora_slots_are_sized_from_the_config(engine, tiny_model):
 
 
 def test_engine_steps_schedule_at_most_generator_max_batched_tokens(engine):
-    """`generator.max_batched_tokens` reaches vLLM's scheduler (the engine here has 384)."""
-    limit = engine.run_in_engine(lambda client: client.engine.vllm_config.scheduler_config.max_num_batched_tokens)
-    assert limit == 384
+    """`generator.max_batched_tokens` reaches vLLM's scheduler (the config asks 384); a CPU engine
+    runs without chunked prefill (seeded requests would kill it: compat.SEEDED_CHUNK_REWIND), so
+    its steps take at least a whole prompt, `max_model_len` (512 here)."""
+    scheduler = engine.run_in_engine(lambda client: client.engine.vllm_config.scheduler_config)
+    assert engine.spec.max_batched_tokens == 384
+    assert scheduler.max_num_batched_tokens == 512 and not scheduler.enable_chunked_prefill
 
 def test_tensor_publish_matches_peft_directory(engine, tiny_model, tmp_path):
     """(a) tensors handed over in memory serve exactly what vLLM loads from a PEFT directory."""

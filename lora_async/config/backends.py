@@ -69,7 +69,8 @@ class EngineSettings(GeneratorBase):
         None, ge=256, le=1_048_576,
         description="Tokens one engine step may schedule (vLLM's max_num_batched_tokens; None = vLLM's "
                     "default, 2048 here). Smaller steps let a new version register sooner (it waits for the "
-                    "step in flight) at a little throughput; at least 256 (vLLM's max_num_seqs).",
+                    "step in flight) at a little throughput; at least 256 (vLLM's max_num_seqs), and on a CPU "
+                    "at least max_model_len (prompts are not split there).",
     )
     block_size: int | None = Field(
         None, ge=16, le=1024, multiple_of=16,

@@ -76,7 +76,7 @@ class EngineClient:
             worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs", disable_log_stats=True,
             use_tqdm_on_load=spec.engine_log,  # "Loading safetensors checkpoint shards" only when asked
             **({"block_size": spec.block_size} if spec.block_size else {}),
-            **({"max_num_batched_tokens": spec.max_batched_tokens} if spec.max_batched_tokens else {}),
+            **batching(spec, on_cpu),
             **({"quantization": spec.quantization} if spec.quantization != "none" else {}),
         )
         engine = LLMEngine.from_engine_args(args, enable_multiprocessing=spec.separate_process)
@@ -198,6 +198,21 @@ class EngineClient:
         refused = [reply["rejected"] for reply in replies if "rejected" in reply]
         if refused:
             raise PackError(refused[0])
+
+
+def batching(spec: EngineSpec, on_cpu: bool) -> dict[str, Any]:
+    """How the engine batches prefills. On a CPU, without chunked prefill: vLLM 0.32 rewinds a
+    seeded request's generator after a step that cut its prompt, with a call only CUDA
+    generators have (`compat.SEEDED_CHUNK_REWIND`), and every rollout is seeded. A whole prompt
+    must then fit one step, so the step's token budget is at least `max_model_len`."""
+    args: dict[str, Any] = {}
+    if spec.max_batched_tokens:
+        args["max_num_batched_tokens"] = spec.max_batched_tokens
+    if on_cpu:
+        args["enable_chunked_prefill"] = False
+        if spec.max_batched_tokens:
+            args["max_num_batched_tokens"] = max(spec.max_batched_tokens, spec.max_model_len)
+    return args
 
 
 def watch_engine_core(engine: Any, stopped: threading.Event) -> threading.Thread:

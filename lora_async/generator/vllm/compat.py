@@ -13,6 +13,7 @@
 | `EngineArgs` fields and the `VLLM_*` environment variables below | client.py | how the engine is built |
 | `vllm.lora.punica_wrapper.punica_cpu` ops and their arity (`PUNICA_OPS`) | cpu_lora_ops.py | the grouped CPU LoRA ops replace them |
 | `vllm.model_executor.layers.quantization.QUANTIZATION_METHODS` | client.py | `generator.quantization` is refused in one line where vLLM lacks the method |
+| `GPUModelRunner._bookkeeping_sync` rewinding a seeded request's generator (`SEEDED_CHUNK_REWIND`) | client.py | on a CPU that call (CUDA's `Generator.set_offset`) raises, and it runs whenever a chunked prefill cuts a seeded request's prompt: the CPU engine is built without chunked prefill |
 
 The release itself is checked first (`check_vllm_version`, from package metadata): pyproject's
 `gpu` and `cpu` extras pin `PINNED`, and another release is refused in one line naming both.
@@ -40,7 +41,7 @@ REQUIRED_MANAGER_ATTRS = ("_adapter_manager", "lora_config", "vocab_size", "max_
 REQUIRED_CLIENT_ATTRS = ("outputs_queue", "utility_results", "resources")
 ENGINE_ARGS = ("model", "dtype", "seed", "max_model_len", "max_num_seqs", "enable_lora", "max_loras",
                "max_cpu_loras", "max_lora_rank", "gpu_memory_utilization", "kv_cache_memory_bytes", "block_size",
-               "max_num_batched_tokens",
+               "max_num_batched_tokens", "enable_chunked_prefill",
                "worker_extension_cls", "logprobs_mode", "disable_log_stats", "use_tqdm_on_load")
 # LoRA layers whose activation hotswap.py reproduces (exact classes: a subclass may override
 # set_lora), with the methods they must resolve to; and the layers it only ever zeroes (lora-async
@@ -73,6 +74,11 @@ HOTSWAP_SOURCES = {
     "VocabParallelEmbeddingWithLoRA.reset_lora": ("self.lora_a_stacked[index] = 0", "self.lora_b_stacked[index] = 0"),
     "LogitsProcessorWithLoRA.reset_lora": ("self.lora_a_stacked[index] = 0", "self.lora_b_stacked[index] = 0"),
 }
+# vLLM 0.32 rewinds a seeded request's generator after a step that only prefilled part of its
+# prompt, with a call only CUDA generators have: with chunked prefill a CPU engine dies on the
+# first seeded request whose prompt a step cuts ("CPU Generator does not use offset"), so
+# client.py builds CPU engines without it. Once this statement is gone, check whether it still must.
+SEEDED_CHUNK_REWIND = ("GPUModelRunner._bookkeeping_sync", "gen.set_offset(gen.get_offset() - 4)")
 ENV_VARS = ("VLLM_LOGGING_LEVEL", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")
 # The CPU punica ops cpu_lora_ops.py replaces in `vllm.lora.punica_wrapper.punica_cpu`, with the
 # parameters each takes in vLLM's reference (`vllm.lora.ops.torch_ops`); ours take as many.
@@ -224,6 +230,9 @@ def runner_problems() -> list[str]:
     problems = []
     if "self.lora_manager" not in inspect.getsource(LoRAModelRunnerMixin):
         problems.append("the model runner no longer keeps self.lora_manager")
+    qualname, statement = SEEDED_CHUNK_REWIND
+    if statement not in inspect.getsource(getattr(GPUModelRunner, qualname.split(".")[1])):
+        problems.append(f"{qualname} no longer does `{statement}` (CPU engines may keep chunked prefill)")
     if not callable(getattr(GPUModelRunner, "reload_weights", None)):
         problems.append("the model runner lost reload_weights")
     return problems
