@@ -119,3 +119,19 @@ def test_the_report_sets_each_loss_and_lag_side_by_side_over_seeds(tmp_path):
     assert "| ppo-clip | 3.5 (3-4, 2/2) | 5.5 (5-6, 2/2) | 1.57x |" in table
     png = chart(result, tmp_path / "chart.png")
     assert png.stat().st_size > 10_000
+
+
+def test_the_plot_draws_the_clipped_share_of_each_lag_bucket(tmp_path):
+    from lora_async.plot import lag_series, plot_runs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "adapter": "main", "wall_s": 5.0 * s, "reward_mean": 0.1 * s, "lag0/clip_frac": 0.01,
+             **({"lag2/clip_frac": 0.2 + 0.01 * s} if s > 2 else {})} for s in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    series = lag_series(rows)
+    assert list(series) == ["lag0", "lag2"] and series["lag2"][0] == [15.0, 20.0, 25.0]
+    assert series["lag2"][1] == pytest.approx([0.23, 0.24, 0.25])
+    png = plot_runs([run], tmp_path / "chart.png")
+    assert png.stat().st_size > 10_000
+    assert lag_series([{"step": 1, "wall_s": 1.0}]) == {}  # an older run: no panel
