@@ -11,7 +11,8 @@ All arms run in this process on one engine and one learner (`shared.SharedParts`
 its training, not a model load and an engine start. Each saves its adapter after every
 `eval_every` steps, stamped with its step and training clock; after the last arm, the engine
 is closed and every snapshot is scored greedily on the task's held-out problems (at least 100
-for a figure worth reading) on one evaluation engine, off every clock (`snapshots.py`).
+for a figure worth reading) on one evaluation engine in a process of its own, off every clock
+(`snapshots.py`).
 
 Per arm the report gives the steps and the training time to the target accuracy, its peak, and
 whether it collapsed (an eval more than `COLLAPSE_DROP` below its own best so far, within twice
@@ -163,18 +164,27 @@ def train_arms(base: TrainConfig, arms: list[Arm], steps: int, eval_every: int, 
     return [Path(configs[arm].run.output_dir) for arm in arms]
 
 
-def score(base: TrainConfig, run_dirs: list[Path], log: Callable[[str], None]) -> None:
-    """Score the snapshots of every run not scored yet, on one evaluation engine."""
-    from .snapshots import score_dirs
+def score(base: TrainConfig, run_dirs: list[Path], out: Path, log: Callable[[str], None]) -> None:
+    """Score the snapshots of every run not scored yet, on one evaluation engine in a process of
+    its own (this one still holds the training engine's memory, which vLLM counts against a new
+    engine's KV cache)."""
+    import sys
+
+    from .proc import last_error, run_logged
 
     todo = [d for d in run_dirs if not (d / "eval.json").is_file()]
     if not todo:
         return
-    log(f"scoring the snapshots of {len(todo)} arms off the clock")
     scoring = base.model_copy(deep=True)
     if scoring.task.type == "env":
         scoring.task.tool_latency = None  # scoring measures accuracy, not time
-    score_dirs(scoring, todo, log)
+    config_file, score_log = out / "scoring.json", out / "scoring.log"
+    config_file.write_text(dump_config(scoring))
+    log(f"scoring the snapshots of {len(todo)} arms off the clock ({score_log})")
+    done = run_logged([sys.executable, "-m", "lora_async.bench.snapshots", "--config", str(config_file),
+                       *map(str, todo)], score_log)
+    if done.returncode != 0:
+        raise BenchError(f"scoring failed (see {score_log}): {last_error(score_log)}")
 
 
 # ---------------------------------------------------------------- the report
@@ -375,7 +385,7 @@ def run_staleness_bench(base: TrainConfig, losses: list[str], lags: list[int], s
     arms = arms_of(losses, lags, seeds)
     out.mkdir(parents=True, exist_ok=True)
     run_dirs = train_arms(base, arms, steps, eval_every, out, log)
-    score(base, run_dirs, log)
+    score(base, run_dirs, out, log)
     result = report(arms, run_dirs, target)
     result.update(steps=steps, eval_every=eval_every)
     small = sorted({f["heldout_n"] for f in result["arms"].values() if (f["heldout_n"] or 0) < MIN_HELDOUT})
