@@ -64,3 +64,16 @@ def test_the_cli_refuses_unknown_losses_and_bad_lags_in_one_line(in_tmp, tiny_mo
     assert done.exit_code == 2 and "unknown grpo" in done.output and "Traceback" not in done.output
     done = CliRunner().invoke(app, ["bench", "staleness", str(config), "--lags", "0,x"])
     assert done.exit_code == 2 and "--lags" in done.output and "Traceback" not in done.output
+
+
+def test_an_arm_that_fails_stops_the_bench_in_one_line(in_tmp, tiny_model):
+    from lora_async.bench.staleness import BenchError, run_staleness_bench
+
+    (in_tmp / "broken_rewards.py").write_text("def boom(prompt, completion, answer):\n    raise ValueError('boom')\n")
+    config = make_config(in_tmp, tiny_model, "base", task={"reward": "broken_rewards:boom"})
+    with pytest.raises(BenchError) as failed:
+        run_staleness_bench(load_config(config), ["ppo-clip"], [0, 2], [0], steps=2, target=0.3,
+                            out=in_tmp / "st", log=lambda line: None)
+    message = str(failed.value)
+    assert "ppo-clip-k0-s0 failed" in message and "boom" in message and "\n" not in message
+    assert not (in_tmp / "st" / "ppo-clip-k2-s0").exists()  # nothing ran after it

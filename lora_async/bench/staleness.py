@@ -141,7 +141,7 @@ def train_arms(base: TrainConfig, arms: list[Arm], steps: int, eval_every: int, 
     """Train every arm not already finished, one after the other, on one engine and learner."""
     from rich.console import Console
 
-    from ..orchestrator import train
+    from ..orchestrator import TrainingError, train
     from .shared import SharedParts
 
     configs = {arm: arm_config(base, arm, steps, eval_every, out) for arm in arms}
@@ -157,7 +157,14 @@ def train_arms(base: TrainConfig, arms: list[Arm], steps: int, eval_every: int, 
                 cfg = configs[arm]
                 shutil.rmtree(cfg.run.output_dir, ignore_errors=True)
                 log(f"[{arm.name}] training {steps} steps ({i}/{len(todo)})")
-                summary = asyncio.run(train(cfg, console=console, parts=shared.arm(cfg)))
+                try:
+                    summary = asyncio.run(train(cfg, console=console, parts=shared.arm(cfg)))
+                except TrainingError as exc:  # what fails one arm would fail the next: stop here
+                    raise BenchError(f"{arm.name} failed: {exc} (its run: {cfg.run.output_dir}); the arms "
+                                     "finished before it are kept: run the same command to go on") from None
+                if summary.get("ended") != "done":  # Ctrl-C or SIGTERM: the arm stopped after a step
+                    raise BenchError(f"stopped during {arm.name} ({summary.get('ended')}); the arms finished "
+                                     "before it are kept: run the same command to go on")
                 log(f"[{arm.name}] done in {summary['wall_s']:.0f} s of training")
         finally:
             shared.close()
