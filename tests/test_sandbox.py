@@ -378,3 +378,41 @@ def test_step_rewards_the_right_final_number_only():
     wrong = env.make(5, "eval").step(reply(f"{problem.answer + 1}", 1))
     assert wrong.done and wrong.reward == 0.0 and wrong.info["success"] is False and not wrong.info["used_tool"]
     assert env.make(5, "eval").step(reply("I cannot say.", 1)).reward == 0.0
+
+
+# ---- the `programs` environment: questions whose programs need a loop
+
+
+def test_programs_are_pure_take_turns_by_kind_and_keep_their_splits_apart():
+    from lora_async.envs.builtin import programs
+
+    assert [(p.kind.name, p.args) for p in map(lambda i: programs.make(i, "train"), range(40))] == \
+        [(p.kind.name, p.args) for p in map(lambda i: programs.make(i, "train"), range(40))]
+    assert [programs.make(i, "eval").kind.name for i in range(4)] == [k.name for k in programs.KINDS]
+    train = {(p.kind.name, p.args) for p in (programs.make(i, "train") for i in range(400))}
+    heldout = {(p.kind.name, p.args) for p in (programs.make(i, "eval") for i in range(400))}
+    assert len(heldout) > 300 and train and not train & heldout  # over 100 distinct held-out questions
+    shown = {(name, args) for name, examples in programs.EXAMPLE_ARGS.items() for args in examples}
+    assert not (train | heldout) & shown
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_each_kinds_worked_examples_run_to_their_answers_and_the_question_is_reworded(index):
+    from lora_async.envs.builtin import programs
+
+    problem = programs.make(index, "eval")
+    messages = problem.reset()
+    assert [m["role"] for m in messages[1:]] == ["user", "assistant", "tool", "assistant"] * 2 + ["user"]
+    for (question, call_message, tool, answer), args in zip(zip(*[iter(messages[1:-1])] * 4),
+                                                           programs.EXAMPLE_ARGS[problem.kind.name]):
+        calls, errors = parse_tool_calls(call_message["content"])
+        assert errors == [] and calls[0].name == "run_python" and "range(" in calls[0].arguments["code"]
+        assert programs.run_python(**calls[0].arguments) == tool["content"] == answer["content"]
+        assert question["content"] == problem.kind.example.format(*args)
+    assert messages[-1]["content"] == problem.kind.question.format(*problem.args) != \
+        problem.kind.example.format(*problem.args)
+    # the example's program with the question's numbers computes the question's answer
+    code = problem.kind.program.format(*problem.args)
+    assert programs.run_python(code) == str(problem.answer)
+    right = problem.step(reply(str(problem.answer), 1))
+    assert right.done and right.reward == 1.0 and right.info["kind"] == problem.kind.name
