@@ -21,7 +21,8 @@ import hashlib
 import operator
 import random
 
-from ..api import Env, Message, Reply, StepResult, user
+from ..api import Message, user
+from .question import ToolQuestion
 
 LOW, HIGH = 10, 99  # operands: two digits
 HELDOUT_PERCENT = 30
@@ -57,7 +58,7 @@ def is_heldout(a: int, b: int) -> bool:
     return int.from_bytes(digest, "little") % 100 < HELDOUT_PERCENT
 
 
-class Multiply(Env):
+class Multiply(ToolQuestion):
     """A product to find with the tool; a subclass changes the tool, the system message and the
     worked examples' call (the sandbox environment)."""
 
@@ -66,9 +67,9 @@ class Multiply(Env):
     CALL = '<tool_call>{"name": "calculate", "arguments": {"expression": "%d * %d"}}</tool_call>'
 
     def __init__(self, a: int, b: int) -> None:
+        super().__init__()
         self.a, self.b = a, b
         self.answer = a * b
-        self.calls = 0
 
     @classmethod
     def example(cls, a: int, b: int) -> list[Message]:
@@ -78,14 +79,6 @@ class Multiply(Env):
     def reset(self) -> list[Message]:
         shots = [m for pair in EXAMPLES for m in self.example(*pair)]
         return [{"role": "system", "content": self.SYSTEM}, *shots, user(QUESTION.format(a=self.a, b=self.b))]
-
-    def step(self, reply: Reply) -> StepResult:
-        if reply.tool_calls or any(r.call is None for r in reply.tool_results):
-            self.calls += len(reply.tool_calls)
-            return StepResult()  # the results (or the parse errors) are the next message
-        right = reply.final_number() == self.answer
-        return StepResult(reward=float(right), done=True,
-                          info={"success": right, "answer": self.answer, "used_tool": self.calls > 0})
 
 
 def draw(kind: type[Multiply], name: str, index: int, split: str) -> Multiply:

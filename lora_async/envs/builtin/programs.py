@@ -25,9 +25,10 @@ import hashlib
 import json
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
-from ..api import Env, Message, Reply, StepResult, user
+from ..api import Message, user
+from .question import ToolQuestion
 from .sandbox import run_python
 
 HELDOUT_PERCENT = 30
@@ -81,15 +82,15 @@ def is_heldout(kind: Kind, args: tuple[int, ...]) -> bool:
     return int.from_bytes(digest, "little") % 100 < HELDOUT_PERCENT
 
 
-class LoopQuestion(Env):
+class LoopQuestion(ToolQuestion):
     """One question; the episode ends with the first reply that calls no tool."""
 
     tools = [run_python]
 
     def __init__(self, kind: Kind, args: tuple[int, ...]) -> None:
+        super().__init__()
         self.kind, self.args = kind, args
         self.answer = kind.answer(*args)
-        self.calls = 0
 
     def reset(self) -> list[Message]:
         kind = self.kind
@@ -100,14 +101,8 @@ class LoopQuestion(Env):
                    {"role": "assistant", "content": str(kind.answer(*shown))})]
         return [{"role": "system", "content": SYSTEM}, *example, user(kind.question.format(*self.args))]
 
-    def step(self, reply: Reply) -> StepResult:
-        if reply.tool_calls or any(r.call is None for r in reply.tool_results):
-            self.calls += len(reply.tool_calls)
-            return StepResult()  # the results (or the parse errors) are the next message
-        right = reply.final_number() == self.answer
-        return StepResult(reward=float(right), done=True,
-                          info={"success": right, "answer": self.answer, "used_tool": self.calls > 0,
-                                "kind": self.kind.name})
+    def details(self) -> dict[str, Any]:
+        return {"kind": self.kind.name}
 
 
 def make(index: int, split: str) -> LoopQuestion:
