@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lora_async.buffer import TrainSample
-from lora_async.config import LearnerConfig, LoraConfig, default_loss, loss_of
+from lora_async.config import LOSS_TYPES, LearnerConfig, LoraConfig, default_loss, loss_of
 from lora_async.learner import Learner
 from lora_async.placement import Placement
 
@@ -41,10 +41,13 @@ def delta(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> to
     return torch.cat([(after[k] - before[k]).flatten() for k in before])
 
 
-def test_ess_scale_moves_the_adapter_by_sqrt_ess_of_the_plain_step(tiny_model):
+@pytest.mark.parametrize("kind", LOSS_TYPES)
+def test_ess_scale_moves_the_adapter_by_sqrt_ess_of_the_plain_step_with_every_loss(tiny_model, kind):
     # Adam's first step is lr * g / (|g| + eps) per coordinate: the same direction whatever the
     # gradient's size, so a step at lr * s moves every weight s times as far
     plain, scaled = learner(tiny_model), learner(tiny_model, lr_scale="ess")
+    for lrn in (plain, scaled):
+        lrn.set_objective(loss_of(kind), lrn.cfg.lr_scale)
     batch = samples(spread=0.3)
     before = weights(plain)
     one, two = plain.train_step("main", batch), scaled.train_step("main", batch)
