@@ -214,6 +214,7 @@ class FakeLearner:
         self.generator, self.events, self.step_s = generator, events, step_s
         self.pinned_step_s = pinned_step_s
         self.trained: list[Trained] = []
+        self.dropped_frac = 0.0  # the share of each step's tokens its loss reports clipped or masked
 
     def version(self, adapter: str) -> int:
         return self.adapters[adapter].version
@@ -238,8 +239,10 @@ class FakeLearner:
         time.sleep(self.pinned_step_s if split and self.pinned_step_s is not None else self.step_s)
         state.version += 1
         state.weight += 1
-        return StepStats(adapter, state.version, True, False, 0.0, 0.0, len(samples),
-                         sum(s.trained_tokens for s in samples), 0, 1, LossStats(), self.step_s)
+        tokens = sum(s.trained_tokens for s in samples)
+        loss_stats = LossStats(tokens=tokens, clipped=round(self.dropped_frac * tokens))
+        return StepStats(adapter, state.version, True, False, 0.0, 0.0, len(samples), tokens, 0, 1, loss_stats,
+                         self.step_s)
 
     def snapshot_logprobs(self, version: AdapterVersion, samples: list[TrainSample]) -> list[list[float]]:
         return [list(s.logprobs) for s in samples]

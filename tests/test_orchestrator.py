@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 from pathlib import Path
 
@@ -68,6 +69,19 @@ def test_a_fixed_lag_trains_every_sample_exactly_that_many_versions_behind(tmp_p
     # the generator never served a version newer than the learner's minus the lag
     assert parts.fake_generator.live_versions("main")[-1] == 8 - lag
     assert all(r["policy_lag_mean"] == lag for r in steps(cfg) if r["step"] > lag)
+
+
+@pytest.mark.parametrize("dropped, shown", [(0.9, 1), (0.1, 0)])
+def test_a_loss_that_drops_most_tokens_is_shown_once(tmp_path, dropped, shown):
+    import io
+
+    cfg = config(tmp_path)
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.01)
+    parts.fake_learner.dropped_frac = dropped
+    out = io.StringIO()
+    asyncio.run(train(cfg, console=Console(file=out, width=400), parts=parts))
+    assert len(re.findall(r"main: loss.type = m2po dropped \d+% of step 1's tokens", out.getvalue())) == shown
+    assert all(abs(r["clip_frac"] - dropped) < 0.05 for r in steps(cfg))  # every step dropped as much
 
 
 @pytest.mark.parametrize("buffer", [{"mode": "auto"}, {"mode": "async", "max_staleness": 1},

@@ -26,10 +26,12 @@ def make_learner(model_dir, quantization: str, lr: float = 1e-2):
                    Placement("cpu", None), 1.0, 0, quantization)
 
 
-def batch() -> list[TrainSample]:
-    """Two completions of one prompt: the first rewarded, the second not."""
-    return [TrainSample("main", 0, PROMPTS[0], [44, 55, 66], [-3.0] * 3, 1.0, 1.0),
-            TrainSample("main", 0, PROMPTS[0], [77, 88, 99], [-3.0] * 3, 0.0, -1.0)]
+def batch(behaviour: list[list[float]] | None = None) -> list[TrainSample]:
+    """Two completions of one prompt: the first rewarded, the second not. `behaviour`: the
+    sampling logprobs (the learner's own, for an on-policy step; made-up ones otherwise)."""
+    first, second = behaviour or ([-3.0] * 3, [-3.0] * 3)
+    return [TrainSample("main", 0, PROMPTS[0], [44, 55, 66], list(first), 1.0, 1.0),
+            TrainSample("main", 0, PROMPTS[0], [77, 88, 99], list(second), 0.0, -1.0)]
 
 
 @pytest.mark.parametrize("quantization, layer", [("nf4", "Linear4bit"), ("int8", "Linear8bitLt")])
@@ -41,8 +43,8 @@ def test_quantized_base_trains_a_full_precision_adapter(tiny_model, quantization
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
     before = learner.logprobs("main", batch())
-    for _ in range(3):
-        stats = learner.train_step("main", batch())
+    for _ in range(3):  # on-policy steps: sampled by the adapter being trained, as the loss expects
+        stats = learner.train_step("main", batch(learner.logprobs("main", batch())))
         assert stats.updated and not stats.skipped_nonfinite
     after = learner.logprobs("main", batch())
     assert sum(after[0]) > sum(before[0]) + 0.5  # the rewarded completion became likelier

@@ -15,7 +15,7 @@ from .sections import Section
 
 # The default loss (`[loss]` left out, or given without `type`): see bench/RESULTS.md §20,
 # where `lora-async bench staleness` measured every loss at lag 0, 2 and 4.
-DEFAULT_LOSS = "ppo-clip"
+DEFAULT_LOSS = "m2po"
 
 
 class LossBase(Section):

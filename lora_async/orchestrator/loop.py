@@ -34,6 +34,7 @@ from .rows import step_row
 from .state import AdapterRun, Run, TrainingError, samples_of
 
 READY_POLL_S = 1.0  # how often the idle main loop re-checks the limits and the run's state
+MOSTLY_DROPPED = 0.5  # a step whose loss clipped or masked this share of its tokens is shown, once
 
 
 async def train(config: TrainConfig, resume: bool = False, console: Console | None = None,
@@ -117,6 +118,7 @@ async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None
     run.learner_clock.trained(stats.seconds)
     ended = run.marks(adapter)  # this step's row ends where the next one's begins
     row = step_row(run, adapter, groups, stats, ended)
+    warn_dropped(run, adapter, row)
     await observe(run, row)  # an auto run's first steps measure, then it picks sync or async
     adapter.last_reward = row["reward_mean"]
     adapter.marks = ended
@@ -125,6 +127,19 @@ async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None
     adapter.publishing = asyncio.create_task(publish_and_record(run, adapter, held_back(run, adapter, version), row,
                                                                 adapter.publishing))
     await after_step(run, adapter)
+
+
+def warn_dropped(run: Run, adapter: AdapterRun, row: dict) -> None:
+    """Say once when the loss dropped most of a step's tokens (clipped or masked): the step
+    learned from few of its samples, because the sampler and the learner disagree (a dtype or a
+    quantisation apart) or the samples are far behind."""
+    if adapter.warned_dropped or row["clip_frac"] < MOSTLY_DROPPED:
+        return
+    adapter.warned_dropped = True
+    run.console.print(f"[yellow]{adapter.name}: loss.type = {run.config.loss.type} dropped {row['clip_frac']:.0%} of "
+                      f"step {adapter.step}'s tokens (logprob mismatch {row['logprob_mismatch']:.3g} nats/token, "
+                      f"policy lag {row['policy_lag_mean']:.1f}): the generator's logprobs are far from "
+                      "the learner's; see README, 'Losses and stale samples'[/]")
 
 
 def snapshot_due(run: Run, adapter: AdapterRun) -> bool:

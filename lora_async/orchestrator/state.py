@@ -112,6 +112,7 @@ class AdapterRun:
     counters: Counters = field(default_factory=Counters)
     last_reward: float | None = None
     warned_flat: bool = False
+    warned_dropped: bool = False  # a step's loss dropped most of its tokens (shown once)
     reported_fault: bool = False  # the first reward or environment fault was shown
     marks: StepMarks = field(default_factory=StepMarks)
     trained: asyncio.Event = field(default_factory=asyncio.Event)
