@@ -66,7 +66,8 @@ class TrainConfig(Section):
     sync: SyncConfig | None = Field(
         None, description="How new versions reach the engine (None = the default for the generator)."
     )
-    loss: LossConfig = Field(default_factory=default_loss, description="The policy-gradient loss (type left out = ppo-clip).")
+    loss: LossConfig = Field(default_factory=default_loss,
+                             description=f"The policy-gradient loss (type left out = {DEFAULT_LOSS}).")
     run: RunConfig = Field(default_factory=RunConfig, description="Steps, outputs, eval and logging.")
     task: TaskConfig = Field(
         default_factory=ArithmeticTask, description="The task and reward (type left out = arithmetic)."
