@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lora_async.bench.staleness import (Arm, BenchError, arm_config, arms_of, check_base, chart, collapsed,
-                                        finished, markdown, parse_losses, report, spread)
+                                        finished, markdown, paired_ratios, parse_losses, report, spread)
 from lora_async.config import TrainConfig, dump_config
 
 
@@ -110,13 +110,18 @@ def test_the_report_sets_each_loss_and_lag_side_by_side_over_seeds(tmp_path):
     assert ppo["0"]["steps_to_target"] == {"median": 3.5, "min": 3, "max": 4, "reached": "2/2"}
     assert ppo["2"]["steps_to_target"]["median"] == 5.5 and ppo["2"]["steps_over_k0"] == pytest.approx(5.5 / 3.5)
     assert m2po["2"]["steps_over_k0"] == 1.0
+    # seed by seed: 5/3 and 6/4 (each seed against its own sync arm)
+    assert ppo["2"]["paired_over_k0"] == {"median": pytest.approx(19 / 12), "min": 1.5, "max": pytest.approx(5 / 3),
+                                          "reached": "2/2"}
+    assert paired_ratios({(0, 0): 4, (2, 0): None, (0, 1): None, (2, 1): 6}, 2, 0, [0, 1]) == \
+        {"median": None, "min": None, "max": None, "reached": "0/1"}  # never reached at k = 2: infinitely late
     assert ppo["2"]["time_to_target_s"]["median"] == 55.0
     assert ppo["2"]["clip_frac_mean"] == pytest.approx(0.1) and ppo["2"]["by_lag"] == {"lag2/clip_frac": 0.1}
     arm = result["arms"]["ppo-clip-k2-s0"]
     assert arm["trained_tokens_per_s"] == pytest.approx(10.0)  # up to the target: 5 steps x 100 tokens in 50 s
     assert not arm["collapsed"] and arm["accuracy_max"] == 0.7
     table = markdown(result)
-    assert "| ppo-clip | 3.5 (3-4, 2/2) | 5.5 (5-6, 2/2) | 1.57x |" in table
+    assert "| ppo-clip | 3.5 (3-4, 2/2) | 5.5 (5-6, 2/2) | 1.57x; paired 1.58 (1.50-1.67) |" in table
     png = chart(result, tmp_path / "chart.png")
     assert png.stat().st_size > 10_000
 

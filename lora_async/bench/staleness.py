@@ -281,12 +281,27 @@ def report(arms: list[Arm], run_dirs: list[Path], target: float) -> dict[str, An
                            for key in sorted({k for f in mine for k in f["by_lag"]})},
             }
         base = per_lag[str(lags[0])]["steps_to_target"]["median"]
+        steps = {(a.lag, a.seed): figures[a]["steps_to_target"] for a in arms if a.loss == loss}
         for lag in lags:
             median = per_lag[str(lag)]["steps_to_target"]["median"]
             per_lag[str(lag)]["steps_over_k0"] = median / base if median is not None and base else None
+            per_lag[str(lag)]["paired_over_k0"] = paired_ratios(steps, lag, lags[0], seeds)
         table[loss] = per_lag
     return {"target": target, "losses": losses, "lags": lags, "seeds": seeds, "table": table,
             "arms": {arm.name: figures[arm] for arm in arms}}
+
+
+def paired_ratios(steps: dict[tuple[int, int], int | None], lag: int, base: int, seeds: list[int]) -> dict[str, Any]:
+    """Steps to target at `lag` over those at `base` seed by seed (paired seeds draw the same
+    first batch, so the ratio cancels what the seed alone decides), as a `spread`. A seed whose
+    base arm never reached the target has no ratio; one whose lagged arm never did is infinitely
+    late."""
+    ratios = []
+    for seed in seeds:
+        at_base, at_lag = steps.get((base, seed)), steps.get((lag, seed))
+        if at_base:
+            ratios.append(None if at_lag is None else at_lag / at_base)
+    return spread(ratios)
 
 
 def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -312,12 +327,21 @@ def markdown(result: dict[str, Any]) -> str:
             s = row[str(k)]["steps_to_target"]
             med = cell(s["median"], "{:g}")
             steps.append(f"{med} ({cell(s['min'], '{:g}')}-{cell(s['max'], '{:g}')}, {s['reached']})")
-        ratios = [cell(row[str(k)]["steps_over_k0"], "{:.2f}x") for k in lags[1:]]
+        ratios = [cell(row[str(k)]["steps_over_k0"], "{:.2f}x") + paired_cell(row[str(k)]["paired_over_k0"])
+                  for k in lags[1:]]
         clips = ",".join(cell(row[str(k)]["clip_frac_mean"] and 100 * row[str(k)]["clip_frac_mean"], "{:.1f}")
                          for k in lags)
         falls = sum(row[str(k)]["collapsed"] for k in lags)
         lines.append(f"| {loss} | " + " | ".join(steps) + " | " + " | ".join(ratios) + f" | {clips} | {falls} |")
     return "\n".join(lines)
+
+
+def paired_cell(paired: dict[str, Any]) -> str:
+    """`; paired 1.09 (0.88-1.38)`: the seed-by-seed ratios' median and range (none for 1 seed)."""
+    if paired["median"] is None or paired["min"] == paired["max"] and paired["reached"].endswith("/1"):
+        return ""
+    high = "inf" if paired["max"] is None else f"{paired['max']:.2f}"
+    return f"; paired {paired['median']:.2f} ({paired['min']:.2f}-{high})"
 
 
 def diagnostics_markdown(result: dict[str, Any]) -> str:
