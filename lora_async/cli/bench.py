@@ -137,7 +137,8 @@ def bench_staleness(
     """Every loss at a fixed lag k (the generator held k versions behind the learner) and at
     k = 0, with paired seeds, in one process on one engine; held-out accuracy scored afterwards.
     Reports steps and time to the target per loss and k, the figures by lag, and a chart."""
-    from ..bench.staleness import BenchError, diagnostics_markdown, markdown, parse_losses, run_staleness_bench
+    from ..bench.staleness import BenchError, parse_losses, run_staleness_bench
+    from ..bench.staleness_report import diagnostics_markdown, markdown
 
     try:
         loss_list = parse_losses(losses)
