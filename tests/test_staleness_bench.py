@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_async.bench.staleness import Arm, BenchError, arm_config, arms_of, check_base, finished, parse_losses
+from lora_async.bench.common import finished
+from lora_async.bench.staleness import Arm, BenchError, arm_config, arms_of, check_base, parse_losses
 from lora_async.bench.staleness_report import chart, collapsed, markdown, paired_ratios, report, spread
 from lora_async.config import TrainConfig, dump_config
 

@@ -18,6 +18,10 @@ tokens/s up to the target (after it a run's groups go flat and its tokens/s stop
 anything; over the whole budget as `trained_tokens_per_s_all`), the generator's and the
 learner's idle shares, and where the time went
 (`proc.time_split`); `split_table` sets the modes side by side (also in `OUT/time_split.md`).
+
+A run already finished in `--out` with the same config is kept (not run again), and one already
+scored is not scored again, so seeds can be added by running the same command with more of
+them. A kept run was timed when it ran: for modes timed side by side, use a fresh `--out`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import TrainConfig
+from .common import finished
 from .proc import SPLIT_SHARES, last_error, run_logged, summarize_run
 
 # name -> (buffer.mode, partial_rollouts)
@@ -78,9 +83,13 @@ def run_e2e_bench(config: TrainConfig, budget: float, out: Path, modes: list[str
     for seed in seeds:
         for mode in modes:
             run_dir = out / f"{mode}-s{seed}"
+            cfg = mode_config(config, mode, seed, budget, save_every, run_dir)
+            runs[mode].append(run_dir)
+            if finished(cfg):
+                log(f"[{run_dir.name}] kept: finished earlier with this config")
+                continue
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
-            cfg = mode_config(config, mode, seed, budget, save_every, run_dir)
             config_file = out / f"{mode}-s{seed}.json"
             config_file.write_text(json.dumps(cfg.model_dump(mode="json")))
             run_log = out / f"{mode}-s{seed}.log"
@@ -88,20 +97,9 @@ def run_e2e_bench(config: TrainConfig, budget: float, out: Path, modes: list[str
             done = run_logged([sys.executable, "-m", "lora_async.bench.run_json", str(config_file)], run_log)
             if done.returncode != 0:
                 raise RuntimeError(f"{run_dir.name} run failed (see {run_log}): {last_error(run_log)}")
-            runs[mode].append(run_dir)
-    every = [d for dirs in runs.values() for d in dirs]
-    score_log = out / "scoring.log"
-    log(f"scoring {len(every)} runs' snapshots off the clock ({score_log})")
-    # Scoring measures accuracy, not time: a simulated tool latency would only slow it down.
-    scoring = mode_config(config, modes[0], seeds[0], budget, save_every, out)
-    if scoring.task.type == "env" and scoring.adapters is None:
-        scoring.task.tool_latency = None
-    scoring_config = out / "scoring.json"
-    scoring_config.write_text(json.dumps(scoring.model_dump(mode="json")))
-    done = run_logged([sys.executable, "-m", "lora_async.bench.snapshots", "--config", str(scoring_config),
-                       *map(str, every)], score_log)
-    if done.returncode != 0:
-        raise RuntimeError(f"scoring failed (see {score_log}): {last_error(score_log)}")
+    todo = [d for dirs in runs.values() for d in dirs if not (d / "eval.json").is_file()]
+    if todo:
+        score(config, modes[0], seeds[0], budget, save_every, out, todo, log)
     for mode, dirs in runs.items():
         per_seed = [run_figures(d, budget, target) for d in dirs]
         report[mode] = {"buffer_mode": MODES[mode][0], "partial_rollouts": MODES[mode][1], "seeds": per_seed,
@@ -110,6 +108,23 @@ def run_e2e_bench(config: TrainConfig, budget: float, out: Path, modes: list[str
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "time_split.md").write_text(split_table(report) + "\n")
     return report
+
+
+def score(config: TrainConfig, mode: str, seed: int, budget: float, save_every: int, out: Path,
+          run_dirs: list[Path], log: Callable[[str], None]) -> None:
+    """Score the runs' snapshots off the clock, on one engine in a process of its own."""
+    score_log = out / "scoring.log"
+    log(f"scoring {len(run_dirs)} runs' snapshots off the clock ({score_log})")
+    # Scoring measures accuracy, not time: a simulated tool latency would only slow it down.
+    scoring = mode_config(config, mode, seed, budget, save_every, out)
+    if scoring.task.type == "env" and scoring.adapters is None:
+        scoring.task.tool_latency = None
+    scoring_config = out / "scoring.json"
+    scoring_config.write_text(json.dumps(scoring.model_dump(mode="json")))
+    done = run_logged([sys.executable, "-m", "lora_async.bench.snapshots", "--config", str(scoring_config),
+                       *map(str, run_dirs)], score_log)
+    if done.returncode != 0:
+        raise RuntimeError(f"scoring failed (see {score_log}): {last_error(score_log)}")
 
 
 def run_figures(run_dir: Path, budget: float, target: float) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import LOSS_TYPES, TrainConfig, dump_config, loss_of
+from .common import finished
 from .staleness_report import chart, diagnostics_markdown, markdown, report
 
 MIN_HELDOUT = 100  # fewer held-out problems than this: one problem moves accuracy by over 1%
@@ -121,15 +122,6 @@ def arm_config(base: TrainConfig, arm: Arm, steps: int, eval_every: int, out: Pa
 def widest(base: TrainConfig, lags: list[int], out: Path) -> TrainConfig:
     """The config the shared engine and learner are built from: the widest window of any arm."""
     return arm_config(base, Arm(LOSS_TYPES[0], max(lags), 0), 1, 1, out)
-
-
-def finished(cfg: TrainConfig) -> bool:
-    """An arm whose directory holds a finished run of exactly this config."""
-    out = Path(cfg.run.output_dir)
-    summary, saved = out / "summary.json", out / "config.json"
-    if not (summary.is_file() and saved.is_file()):
-        return False
-    return json.loads(summary.read_text()).get("ended") == "done" and saved.read_text() == dump_config(cfg)
 
 
 def train_arms(base: TrainConfig, arms: list[Arm], steps: int, eval_every: int, out: Path,

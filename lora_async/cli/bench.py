@@ -91,7 +91,9 @@ def bench_e2e(
     seeds: str = typer.Option("0,1", "--seeds", help="Comma list of seeds; every mode runs each."),
     save_every: int = typer.Option(1, "--save-every", min=1,
                                    help="Save the adapter every N steps; all are scored after the runs, off the clock."),
-    out: Path = typer.Option(Path("runs/bench-e2e"), "--out", help="Where the runs go."),
+    out: Path = typer.Option(Path("runs/bench-e2e"), "--out",
+                             help="Where the runs go; runs finished there with the same config are kept "
+                                  "(timed when they ran: use a fresh directory to time modes side by side)."),
     target: float = typer.Option(0.5, "--target", help="Held-out accuracy (success rate) whose time is reported."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     as_json: bool = typer.Option(False, "--json"),

@@ -1,0 +1,55 @@
+"""`lora-async bench e2e` without an engine: what a rerun keeps, read from hand-written runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from lora_async.bench import e2e
+from lora_async.config import TrainConfig, dump_config
+
+
+def finished_run(config: TrainConfig, mode: str, out: Path, scored: bool) -> Path:
+    """A run directory as a finished `bench e2e` run of 60 s leaves it (scored or not yet)."""
+    run_dir = out / f"{mode}-s0"
+    run_dir.mkdir(parents=True)
+    write_run(e2e.mode_config(config, mode, 0, 60.0, 1, run_dir))
+    if scored:
+        (run_dir / "eval.json").write_text(json.dumps({"snapshots": 2}))
+    return run_dir
+
+
+def write_run(cfg: TrainConfig) -> None:
+    """What the CLI leaves in the run's directory: its config, summary and rows."""
+    run_dir = Path(cfg.run.output_dir)
+    (run_dir / "config.json").write_text(dump_config(cfg))
+    (run_dir / "summary.json").write_text(json.dumps({"ended": "done", "mode": cfg.buffer.mode}))
+    rows = [{"step": s, "wall_s": 10.0 * s, "reward_mean": 0.5, "tokens_trained": 100,
+             "tokens_generated_total": 200 * s} for s in (1, 2)]
+    rows.append({"kind": "eval", "step": 2, "wall_s": 20.0, "accuracy": 0.9})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_rerun_keeps_finished_runs_and_scores_only_the_unscored(tmp_path, monkeypatch):
+    config = TrainConfig.model_validate({"run": {"output_dir": str(tmp_path)}})
+    finished_run(config, "sync", tmp_path, scored=True)
+    unscored = finished_run(config, "auto", tmp_path, scored=False)
+    calls: list[list[str]] = []
+
+    def run_logged(cmd: list[str], log: Path) -> subprocess.CompletedProcess:
+        calls.append(cmd)
+        if cmd[2] == "lora_async.bench.run_json":  # the run, as the CLI would leave it
+            write_run(TrainConfig.model_validate(json.loads(Path(cmd[3]).read_text())))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(e2e, "run_logged", run_logged)
+    report = e2e.run_e2e_bench(config, 60.0, tmp_path, ["sync", "auto"], [0], target=0.8, log=lambda _: None)
+    assert [c[2] for c in calls] == ["lora_async.bench.snapshots"]  # no training, one scoring
+    assert calls[0][-1:] == [str(unscored)]
+    assert report["sync"]["time_to_target_s"] == 20.0 and report["auto"]["steps"] == 2
+
+    # A run of another config (here a longer budget) is trained again.
+    calls.clear()
+    e2e.run_e2e_bench(config, 90.0, tmp_path, ["sync"], [0], target=0.8, log=lambda _: None)
+    assert [c[2] for c in calls] == ["lora_async.bench.run_json", "lora_async.bench.snapshots"]
