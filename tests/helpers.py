@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -88,3 +89,14 @@ def submit_many(generator, requests: list[GenRequest], timeout: float = 120.0) -
 
 
 PROMPTS = [[1, 510, 2114, 314, 260, 1372], [1, 22, 3320, 4217, 3106], [1, 17, 28, 39, 410, 511, 612]]
+
+
+def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.05):
+    """Wait until `condition()` is truthy and return its value; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

@@ -6,6 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
+from .helpers import wait_for
+
 from lora_async.bench import e2e
 from lora_async.config import TrainConfig, dump_config
 
@@ -53,3 +55,38 @@ def test_a_rerun_keeps_finished_runs_and_scores_only_the_unscored(tmp_path, monk
     calls.clear()
     e2e.run_e2e_bench(config, 90.0, tmp_path, ["sync"], [0], target=0.8, log=lambda _: None)
     assert [c[2] for c in calls] == ["lora_async.bench.run_json", "lora_async.bench.snapshots"]
+
+
+CHILD_THEN_WAIT = """
+import sys
+from pathlib import Path
+from lora_async.bench.proc import run_logged
+child = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(600)"]
+run_logged(child, Path(sys.argv[1]))
+"""
+
+
+def test_a_bench_sent_sigterm_stops_its_child_run(tmp_path):
+    """A child run sits in its own session; SIGTERM to the bench must not leave it running (it
+    would go on training beside the next run and spoil both runs' timings)."""
+    import os
+    import signal
+    import sys
+
+    log = tmp_path / "child.log"
+    bench = subprocess.Popen([sys.executable, "-c", CHILD_THEN_WAIT, str(log)])
+    try:
+        child = int(wait_for(lambda: log.is_file() and log.read_text().strip(), 60, "the child's pid"))
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+        wait_for(lambda: not alive(child), 60, "the child to stop")
+    finally:
+        bench.kill()
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from .helpers import PROMPTS, generate, random_adapter, submit_many
+from .helpers import PROMPTS, generate, random_adapter, submit_many, wait_for
 from .test_train import make_config
 from lora_async.generator.types import Delivery, GenRequest, GenStatus
 from lora_async.handoff import PackError
@@ -61,15 +61,6 @@ def cluster(tiny_model, reference):
 
 def replica_versions(generator, adapter):
     return [generator.call_replica(i, "live_versions", adapter) for i in range(REPLICAS)]
-
-
-def wait_for(condition, timeout_s, what):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def test_each_version_reaches_both_replicas_which_serve_what_the_inprocess_engine_serves(cluster, tiny_model,

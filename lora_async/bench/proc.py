@@ -16,9 +16,10 @@ import statistics
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import psutil
 
@@ -148,27 +149,50 @@ def run_logged(cmd: Sequence[str], log: Path, monitor: TreeMonitor | None = None
     """Run `cmd` to the end with its output in `log` and its tree in `monitor`.
 
     `stop_when()` is asked every POLL_S; a reason it returns stops the child's group. Any
-    exception here (Ctrl-C included) stops the group too, so no child outlives the caller."""
+    exception here (Ctrl-C included) stops the group too, and so does a SIGTERM to this process
+    (`exit_on_sigterm`), so no child outlives the caller."""
     started = time.perf_counter()
-    proc = start_logged(cmd, log, env, cwd)
-    if monitor is not None:
-        monitor.add(proc.pid)
-    stopped = None
-    try:
-        while True:
-            try:
-                proc.wait(timeout=POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            stopped = stop_when() if stop_when is not None else None
-            if stopped is not None:
-                stop_group(proc, grace_s)
-                break
-    except BaseException:
-        stop_group(proc, grace_s)
-        raise
+    with exit_on_sigterm():
+        proc = start_logged(cmd, log, env, cwd)
+        if monitor is not None:
+            monitor.add(proc.pid)
+        stopped = None
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                stopped = stop_when() if stop_when is not None else None
+                if stopped is not None:
+                    stop_group(proc, grace_s)
+                    break
+        except BaseException:
+            stop_group(proc, grace_s)
+            raise
     return RunResult(proc.wait(), time.perf_counter() - started, stopped)
+
+
+@contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """Make SIGTERM exit through Python (SystemExit, status 143) for the duration. A logged child
+    runs in its own session, which a SIGTERM to this process does not reach; by default the
+    signal would end this process at once and leave the child running. Raised instead, it
+    passes through `run_logged`, which stops the child's group first. Only the main thread may
+    set a handler: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _log_lines(log: Path) -> list[str] | None:
