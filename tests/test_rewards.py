@@ -31,8 +31,14 @@ def by_difficulty(completion, difficulty):
     return float(difficulty) if "ok" in completion else 0.0
 def needs_solution(completion, solution):
     return 1.0
-def nap(completion):
-    time.sleep(1.0)
+def gather(completion):
+    # Mark this call's arrival, then wait until all 6 calls have arrived: only calls that run
+    # at the same time can all return 1.0 (one at a time, the first would wait until cut off).
+    import os, uuid
+    os.makedirs("arrived", exist_ok=True)
+    open(os.path.join("arrived", uuid.uuid4().hex), "w").close()
+    while len(os.listdir("arrived")) < 6:
+        time.sleep(0.01)
     return 1.0
 async def async_nap(completion):
     await asyncio.sleep(60 if "hang" in completion else 1.0)
@@ -110,12 +116,14 @@ def test_user_reward_that_hangs_is_cut_off_alone(user_module):
 
 
 def test_slow_rewards_overlap_in_time(user_module):
-    """N calls of a reward that sleeps 1 s run at once: every call starts before any ends."""
-    rewards = rewards_of([f"{user_module}:nap"], workers=6)
+    """N calls of a reward run at once: each waits until all N have started, and every one
+    returns its score (one call at a time, the first would be cut off at the timeout)."""
+    stats = RewardStats()
+    rewards = rewards_of([f"{user_module}:gather"], stats, timeout_s=120.0, workers=6)
     try:
         scores = score(rewards, "p", "a", ["x"] * 6)
         assert scores.rewards == [1.0] * 6 and len(scores.calls) == 6
-        assert max(c.started for c in scores.calls) < min(c.ended for c in scores.calls)
+        assert stats.timeouts == 0 and stats.errors == 0
     finally:
         rewards.close()
 
