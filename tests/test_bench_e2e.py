@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import sys
 from pathlib import Path
-
-from .helpers import wait_for
 
 from lora_async.bench import e2e
 from lora_async.config import TrainConfig, dump_config
+
+from .helpers import wait_for
 
 
 def finished_run(config: TrainConfig, mode: str, out: Path, scored: bool) -> Path:
@@ -69,10 +71,6 @@ run_logged(child, Path(sys.argv[1]))
 def test_a_bench_sent_sigterm_stops_its_child_run(tmp_path):
     """A child run sits in its own session; SIGTERM to the bench must not leave it running (it
     would go on training beside the next run and spoil both runs' timings)."""
-    import os
-    import signal
-    import sys
-
     log = tmp_path / "child.log"
     bench = subprocess.Popen([sys.executable, "-c", CHILD_THEN_WAIT, str(log)])
     try:

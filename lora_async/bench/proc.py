@@ -176,11 +176,9 @@ def run_logged(cmd: Sequence[str], log: Path, monitor: TreeMonitor | None = None
 
 @contextmanager
 def exit_on_sigterm() -> Iterator[None]:
-    """Make SIGTERM exit through Python (SystemExit, status 143) for the duration. A logged child
-    runs in its own session, which a SIGTERM to this process does not reach; by default the
-    signal would end this process at once and leave the child running. Raised instead, it
-    passes through `run_logged`, which stops the child's group first. Only the main thread may
-    set a handler: elsewhere nothing changes."""
+    """SIGTERM exits through Python (SystemExit, status 143) for the duration, so `run_logged`
+    stops its child's group (its own session, which the signal does not reach) before this
+    process ends. Only the main thread may set a handler: elsewhere nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
