@@ -3,6 +3,8 @@ and adapters added and removed while it lives (what the staleness benchmark's ar
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 
 from lora_async.buffer import TrainSample
 from lora_async.config import LOSS_TYPES, LearnerConfig, LoraConfig, default_loss, loss_of
-from lora_async.learner import Learner
+from lora_async.learner import Learner, heap
 from lora_async.placement import Placement
 
 
@@ -107,3 +109,49 @@ def test_a_removed_adapter_is_gone_and_the_next_one_trains_with_its_own_objectiv
     assert stats.updated and lrn.version("arm") == 1 and stats.lr_scale < 1.0
     with pytest.raises(ValueError, match="already has"):
         lrn.add_adapter("arm", LoraConfig(rank=8), 1e-2, 1.0, seed=0)
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+@contextlib.contextmanager
+def freed_holes(libc, mib: int = 128):
+    """`mib` MiB that malloc freed in the middle of its heap (every other 4 MiB block), where glibc
+    keeps them, as it keeps a CPU step's freed activations; the blocks between are freed on exit."""
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.free(libc.malloc(30 << 20))  # a freed mmapped block raises the mmap threshold, as torch's first frees do
+    blocks = [libc.malloc(4 << 20) for _ in range(mib // 2)]
+    for b in blocks:
+        ctypes.memset(b, 1, 4 << 20)
+    for b in blocks[::2]:
+        libc.free(b)
+    try:
+        yield
+    finally:
+        for b in blocks[1::2]:
+            libc.free(b)
+
+
+glibc = pytest.mark.skipif(heap._libc() is None, reason="glibc's malloc_trim only")
+
+
+@glibc
+def test_release_freed_memory_returns_the_heaps_holes():
+    libc = heap._libc()
+    with freed_holes(libc):
+        kept = rss_mib()
+        assert heap.release_freed_memory()
+        assert kept - rss_mib() > 100
+
+
+@glibc
+def test_a_cpu_step_returns_what_malloc_kept(tiny_model):
+    lrn = learner(tiny_model)
+    lrn.train_step("main", samples())
+    with freed_holes(heap._libc()):
+        kept = rss_mib()
+        lrn.train_step("main", samples())
+        assert kept - rss_mib() > 100

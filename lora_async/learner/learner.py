@@ -26,6 +26,7 @@ from ..generator.validate import peft_config_dict
 from ..loss import LossStats, has_gradient, policy_loss
 from ..placement import Placement
 from .frozen_base import load_base, one_kernel_path, quiet_int8_casts
+from .heap import release_freed_memory
 from .logprobs import completion_logprobs
 from .packing import build_micro_batch, plan_step
 
@@ -368,6 +369,8 @@ class Learner:
                 state.version += 1
                 update.updated = True
         state.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cpu":
+            release_freed_memory()  # glibc keeps what the step freed, and steps grow past it (heap.py)
         return update
 
     # ---- checkpoint state
