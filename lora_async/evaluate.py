@@ -37,7 +37,17 @@ class EvalEngine:
 
     def run(self, source: RolloutSource, adapter: str | None, limit: int = 0) -> EvalResult:
         """Evaluate `adapter` (None: the base) on `source`'s held-out split."""
-        return asyncio.run(source.evaluate(generate_async(self.generator), self.tokenizer, adapter, limit))
+        return self.run_many(source, [adapter], limit)[0]
+
+    def run_many(self, source: RolloutSource, adapters: list[str | None], limit: int = 0) -> list[EvalResult]:
+        """Evaluate each of `adapters` at once: their episodes share the engine's batches (a
+        multi-LoRA batch), and one's tool calls overlap another's decoding."""
+        generate = generate_async(self.generator)
+
+        async def all_of() -> list[EvalResult]:
+            return list(await asyncio.gather(*(source.evaluate(generate, self.tokenizer, a, limit) for a in adapters)))
+
+        return asyncio.run(all_of())
 
 
 @contextlib.contextmanager
