@@ -9,6 +9,7 @@
 | `logprobs.py` | chunked log-softmax over the vocabulary |
 | `frozen_base.py` | loading the frozen base (or nf4/int8 with bitsandbytes) and the quantise probe |
 | `served_base.py` | the generator's base for a quantised learner: the learner's weights, dequantised and cached |
+| `heap.py` | after a CPU step, glibc's freed heap handed back to the kernel |
 """
 
 from .learner import Accumulated, Learner, StepStats, Update, step_stats
