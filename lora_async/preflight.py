@@ -9,7 +9,10 @@ them it would fail after a multi-minute model load with a traceback. The checks 
 - `generator.quantization`;
 - the learner's bitsandbytes quantisation, probed with one small tensor;
 - each task's data: a dataset's splits and columns, reasoning-gym and its generators' settings
-  (`tasks.check_task`; reading a local dataset takes a second, a hub dataset downloads once).
+  (`tasks.check_task`; reading a local dataset takes a second, a hub dataset downloads once);
+- the code sandbox, for a task that runs model-written code (tools marked `@sandboxed`, the
+  `code_tests` reward) with `task.sandbox = "namespaces"`: one bwrap run of a no-op. Where
+  namespaces are refused the run stops here; it never falls back to the weaker isolation.
 
 None of them loads weights. vLLM is imported only to check a `generator.quantization` on a GPU.
 """
@@ -82,6 +85,33 @@ def check_tasks(config: "TrainConfig") -> None:
             raise PreflightError(str(exc)) from None
 
 
+def runs_code(task: object) -> bool:
+    """Whether a task runs model-written code: the code_tests reward, or a tool marked `@sandboxed`."""
+    from .config import EnvTask
+    from .sandbox import is_sandboxed
+
+    reward_list = getattr(task, "reward_list", None)
+    if reward_list is not None and "code_tests" in reward_list():
+        return True
+    if not isinstance(task, EnvTask):
+        return False
+    from .envs.source import env_tools
+
+    return any(is_sandboxed(tool) for tool in env_tools(task.env))
+
+
+def check_sandbox(config: "TrainConfig") -> None:
+    """The namespaces work here, for every task that runs code under them."""
+    from .sandbox import SandboxUnavailable, cage
+
+    for spec in config.adapter_specs:
+        if getattr(spec.task, "sandbox", None) == "namespaces" and runs_code(spec.task):
+            try:
+                cage()
+            except SandboxUnavailable as exc:
+                raise PreflightError(str(exc)) from None
+
+
 def preflight(config: "TrainConfig") -> None:
     """Every check that needs no model: raises PreflightError on the first that fails."""
     from .placement import PlacementError, place_run
@@ -95,3 +125,4 @@ def preflight(config: "TrainConfig") -> None:
     check_vllm(config, generator)
     check_learner_quantization(config, ranks[0])
     check_tasks(config)
+    check_sandbox(config)

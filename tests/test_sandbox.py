@@ -1,10 +1,14 @@
-"""The code sandbox (`lora_async/envs/sandbox.py`) and the `sandbox` environment built on it.
+"""The code sandbox (`lora_async/sandbox/`) and the `sandbox` environment built on it.
 
 Every fault a program can throw (a loop, a sleep, a memory or fork bomb, endless output, a
 refused operation) ends as a failed result with a reason; through the real tool path (a
 `ToolBox` worker process) it reaches the model as an error, and the next call still works.
 Nothing a program does reaches outside its working directory, its environment or its process
 group. Unit tier: real child interpreters, no engine; each test takes a few seconds at most.
+
+The runner's tests run in both isolations (`run` is parametrized): the default `namespaces`
+and the weaker `process` keep the same behaviour for everything the audit hook refuses. The
+attacks only namespaces stop are in test_sandbox_attacks.py.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import pytest
 
 from lora_async.envs.api import Reply, ToolCall, ToolResult
 from lora_async.envs.builtin import calculator, sandbox as env
-from lora_async.envs.sandbox import CUT_MARKER, SandboxLimits, run_code
+from lora_async.sandbox import CUT_MARKER, SandboxLimits, run_python
 from lora_async.envs.tools import ToolBox, parse_tool_calls, tool_schemas
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox uses Linux rlimits and /proc")
@@ -41,6 +45,18 @@ def children() -> list[int]:
     return found
 
 
+@pytest.fixture(params=["namespaces", "process"])
+def run(request):
+    """`run_python` in one isolation: run(code, limits)."""
+    def run_(code: str, limits: SandboxLimits = SandboxLimits()):
+        result = run_python(code, limits=limits, isolation=request.param)
+        assert result.isolation == request.param
+        return result
+
+    run_.isolation = request.param
+    return run_
+
+
 def assert_group_gone(pgid: int) -> None:
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)
@@ -49,66 +65,70 @@ def assert_group_gone(pgid: int) -> None:
 # ---- the runner
 
 
-def test_ordinary_code_runs_and_returns_its_output():
-    result = run_code("import fractions, itertools, math\n"
+def test_ordinary_code_runs_and_returns_its_output(run):
+    result = run("import fractions, itertools, math\n"
                       "print(math.factorial(10), list(itertools.accumulate([1, 2, 3])))\n"
                       "print(fractions.Fraction(1, 3) + 1, 'é')\n")
     assert result.ok and result.reason is None and result.exit_code == 0 and result.stderr == ""
     assert result.stdout == "3628800 [1, 3, 6]\n4/3 é\n"
     assert result.text() == "3628800 [1, 3, 6]\n4/3 é"
-    assert run_code("x = 6 * 7").text() == "(no output: print the result)"
+    assert run("x = 6 * 7").text() == "(no output: print the result)"
 
 
-def test_the_interpreter_is_isolated_and_the_working_directory_is_fresh_and_removed():
-    result = run_code("import os, sys\nprint(sys.flags.isolated, sys.flags.no_site, sys.argv, __name__)\n"
+def test_the_interpreter_is_isolated_and_the_working_directory_is_fresh_and_removed(run):
+    result = run("import os, sys\nprint(sys.flags.isolated, sys.flags.no_site, sys.argv, __name__)\n"
                       "print(os.getcwd())\nprint(sorted(os.listdir('.')))")
     flags, cwd, listing = result.stdout.splitlines()
     assert flags == "1 1 ['main.py'] __main__"
     assert listing == "['main.py']"
-    assert not Path(cwd).exists() and not Path(cwd).parent.exists()  # deleted, output files included
+    if run.isolation == "namespaces":
+        assert cwd == "/work"  # a tmpfs inside the namespaces, gone with them
+    else:
+        assert not Path(cwd).exists()  # deleted
 
 
-def test_a_traceback_starts_in_main_py_at_the_right_line():
-    result = run_code("x = 1\n\ny = x / 0\n")
+def test_a_traceback_starts_in_main_py_at_the_right_line(run):
+    result = run("x = 1\n\ny = x / 0\n")
     assert not result.ok and result.exit_code == 1 and result.reason == "exit code 1"
     assert result.stderr.startswith('Traceback (most recent call last):\n  File "main.py", line 3, in <module>\n')
     assert result.stderr.rstrip().endswith("ZeroDivisionError: division by zero")
-    assert "<string>" not in result.stderr  # the prelude's frames are not shown
-    assert run_code("def f(:\n").stderr.startswith('  File "main.py", line 1\n')
-    assert run_code("import sys\nsys.exit(3)").exit_code == 3
-    assert run_code("exit(4)").exit_code == 4  # -S skips `site`; the prelude still provides exit()
+    assert "prelude" not in result.stderr  # the prelude's frames are not shown
+    assert run("def f(:\n").stderr.startswith('  File "main.py", line 1\n')
+    assert run("import sys\nsys.exit(3)").exit_code == 3
+    assert run("exit(4)").exit_code == 4  # -S skips `site`; the prelude still provides exit()
 
 
-def test_no_environment_variable_of_the_parent_is_visible(monkeypatch):
+def test_no_environment_variable_of_the_parent_is_visible(run, monkeypatch):
     monkeypatch.setenv("LORA_ASYNC_SANDBOX_SECRET", "hunter2")
     monkeypatch.setenv("PYTHONSTARTUP", "/nonexistent/evil.py")
-    result = run_code("import os\nprint(sorted(os.environ))")
+    result = run("import os\nprint(sorted(os.environ))")
     assert result.ok
     assert "LORA_ASYNC_SANDBOX_SECRET" not in result.stdout and "PYTHON" not in result.stdout
-    assert set(eval(result.stdout)) <= {"LC_CTYPE"}  # what Python itself sets (PEP 538 locale coercion)
+    # what Python itself sets (PEP 538 locale coercion), and bwrap's PWD (/work) under namespaces
+    assert set(eval(result.stdout)) <= {"LC_CTYPE", "PWD"}
     # nor through /proc: another process's environment (and memory) is refused
-    result = run_code("import os\nprint(open(f'/proc/{os.getppid()}/environ').read())")
+    result = run("import os\nprint(open(f'/proc/{os.getppid()}/environ').read())")
     assert "hunter2" not in result.stdout and "other processes' files are not allowed" in result.stderr
 
 
-def test_an_infinite_loop_is_killed_at_the_cpu_limit():
-    result = run_code("while True:\n    pass", QUICK)
+def test_an_infinite_loop_is_killed_at_the_cpu_limit(run):
+    result = run("while True:\n    pass", QUICK)
     assert result.signal == signal.SIGXCPU and not result.timed_out
     assert result.reason == "killed: CPU time limit (1s)"
     assert result.wall_s < QUICK.wall_s
     assert_group_gone(result.pid)
 
 
-def test_a_sleeping_loop_is_killed_at_the_wall_clock_limit():
-    result = run_code("import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.1)", QUICK)
+def test_a_sleeping_loop_is_killed_at_the_wall_clock_limit(run):
+    result = run("import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.1)", QUICK)
     assert result.timed_out and result.signal == signal.SIGKILL and result.reason == "timed out after 1.5s"
     assert QUICK.wall_s <= result.wall_s < QUICK.wall_s + 2
     assert result.stdout == "started\n"  # what it printed before is kept
     assert_group_gone(result.pid)
 
 
-def test_a_program_that_ignores_sigxcpu_dies_at_the_hard_cpu_limit():
-    result = run_code("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass",
+def test_a_program_that_ignores_sigxcpu_dies_at_the_hard_cpu_limit(run):
+    result = run("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass",
                       SandboxLimits(cpu_s=1, wall_s=4.0))
     assert result.signal == signal.SIGKILL and not result.timed_out  # CPU_GRACE_S after the soft limit
     assert result.reason == "killed: CPU time limit (1s)"
@@ -119,16 +139,16 @@ def test_a_program_that_ignores_sigxcpu_dies_at_the_hard_cpu_limit():
     "x = [0]\nwhile True:\n    x += x",
     "x = []\nwhile True:\n    x.append(' ' * 10**6)",
 ])
-def test_a_memory_bomb_fails_with_memory_error(code):
-    result = run_code(code, QUICK)
+def test_a_memory_bomb_fails_with_memory_error(run, code):
+    result = run(code, QUICK)
     assert not result.ok and result.exit_code == 1
     assert result.stderr.rstrip().endswith("MemoryError")
     assert result.reason == "failed: memory limit (256 MB)"
 
 
-def test_a_fork_bomb_is_refused_and_leaves_no_process():
+def test_a_fork_bomb_is_refused_and_leaves_no_process(run):
     before = children()
-    result = run_code("import os\nwhile True:\n    os.fork()", QUICK)
+    result = run("import os\nwhile True:\n    os.fork()", QUICK)
     assert not result.ok and result.exit_code == 1 and not result.timed_out
     assert "PermissionError: sandbox: os.fork is not allowed (no new processes)" in result.stderr
     assert_group_gone(result.pid)
@@ -148,9 +168,9 @@ def test_a_fork_bomb_is_refused_and_leaves_no_process():
     ("import sys\ndel sys.modules['_posixsubprocess']\nimport _posixsubprocess", "importing _posixsubprocess"),
     ("import os\nos.kill(os.getppid(), 0)", "os.kill is not allowed"),  # signal 0: harmless if it got through
 ])
-def test_starting_or_signalling_processes_is_refused(code, refused):
+def test_starting_or_signalling_processes_is_refused(run, code, refused):
     before = children()
-    result = run_code(code, QUICK)
+    result = run(code, QUICK)
     assert not result.ok and "ran" not in result.stdout
     assert f"PermissionError: sandbox: {refused}" in result.stderr
     assert_group_gone(result.pid)
@@ -166,19 +186,22 @@ def test_starting_or_signalling_processes_is_refused(code, refused):
     "import os\nopen('inside', 'w').close()\nos.rename('inside', {path!r})",
     "import shutil\nopen('inside', 'w').close()\nshutil.copy('inside', {path!r})",
 ])
-def test_writing_outside_the_working_directory_is_refused(tmp_path, template):
+def test_writing_outside_the_working_directory_is_refused(run, tmp_path, template):
     target = tmp_path / "escaped"
-    result = run_code(template.format(path=str(target)), QUICK)
+    result = run(template.format(path=str(target)), QUICK)
     assert not result.ok and "PermissionError: sandbox:" in result.stderr
     assert not target.exists()
 
 
-def test_relative_escapes_and_directory_descriptors_are_refused(tmp_path):
-    result = run_code("import os\ntry:\n    open('../x', 'w')\nexcept PermissionError as e:\n    print(e)\n"
+def test_relative_escapes_and_directory_descriptors_are_refused(run, tmp_path):
+    if run.isolation == "namespaces":
+        pytest.skip("process mode only: under namespaces the host's directory does not exist inside "
+                    "(test_sandbox_attacks.py)")
+    result = run("import os\ntry:\n    open('../x', 'w')\nexcept PermissionError as e:\n    print(e)\n"
                       "print(os.path.exists('../x'))")
     assert result.stdout == "sandbox: writing outside the working directory is not allowed: '../x'\nFalse\n"
     # a descriptor of an outside directory would let os.open(..., dir_fd=fd) write there
-    result = run_code(f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+    result = run(f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
                       "os.open('escaped', os.O_WRONLY | os.O_CREAT, dir_fd=fd)")
     assert "opening a directory outside the working directory is not allowed" in result.stderr
     assert not (tmp_path / "escaped").exists()
@@ -193,17 +216,17 @@ def test_relative_escapes_and_directory_descriptors_are_refused(tmp_path):
     "import os\nos.symlink({path!r}, 'mine')",
     "import os\nos.chdir({parent!r})\nopen('kept.txt', 'w')",
 ])
-def test_files_outside_are_not_changed(tmp_path, template):
+def test_files_outside_are_not_changed(run, tmp_path, template):
     kept = tmp_path / "kept.txt"
     kept.write_text("precious")
     mode = kept.stat().st_mode
-    result = run_code(template.format(path=str(kept), parent=str(tmp_path)), QUICK)
+    result = run(template.format(path=str(kept), parent=str(tmp_path)), QUICK)
     assert not result.ok and "PermissionError: sandbox:" in result.stderr
     assert kept.read_text() == "precious" and kept.stat().st_mode == mode
 
 
-def test_writing_inside_the_working_directory_works():
-    result = run_code("import os, pathlib, shutil, tempfile\n"
+def test_writing_inside_the_working_directory_works(run):
+    result = run("import os, pathlib, shutil, tempfile\n"
                       "open('out.txt', 'w').write('hello')\n"
                       "os.makedirs('a/b')\nos.rename('out.txt', 'a/b/out.txt')\n"
                       "pathlib.Path('a/b/more.txt').write_text(open('a/b/out.txt').read() + ' again')\n"
@@ -214,14 +237,14 @@ def test_writing_inside_the_working_directory_works():
     assert result.stdout == "['more.txt', 'out.txt'] hello again\n['main.py']\n"
 
 
-def test_creating_many_files_is_refused_at_the_cap():
-    result = run_code("for i in range(1000):\n    open(f'f{i}', 'w').close()", QUICK)
+def test_creating_many_files_is_refused_at_the_cap(run):
+    result = run("for i in range(1000):\n    open(f'f{i}', 'w').close()", QUICK)
     assert "PermissionError: sandbox: at most 64 new files" in result.stderr
 
 
 @pytest.mark.parametrize("code", ['print("x" * 10**7)', 'while True:\n    print("x" * 80)'])
-def test_huge_output_comes_back_cut_with_a_marker(code):
-    result = run_code(code, QUICK)
+def test_huge_output_comes_back_cut_with_a_marker(run, code):
+    result = run(code, QUICK)
     marker = CUT_MARKER.format(n=QUICK.output_chars)
     assert result.stdout.endswith("\n" + marker)
     assert len(result.stdout) == QUICK.output_chars + 1 + len(marker)
@@ -232,21 +255,21 @@ def test_huge_output_comes_back_cut_with_a_marker(code):
     assert result.text().startswith("failed: output or file size limit (64 KB)\nxxx")
 
 
-def test_the_network_is_refused():
+def test_the_network_is_refused(run):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     server.settimeout(0.5)
     port = server.getsockname()[1]
     try:
-        result = run_code(f"import socket\nsocket.socket().connect(('127.0.0.1', {port}))", QUICK)
+        result = run(f"import socket\nsocket.socket().connect(('127.0.0.1', {port}))", QUICK)
         assert "PermissionError: sandbox: socket.connect is not allowed (no network)" in result.stderr
         with pytest.raises(socket.timeout):
             server.accept()  # nothing arrived
     finally:
         server.close()
-    assert "socket.getaddrinfo is not allowed" in run_code("import socket\nsocket.getaddrinfo('localhost', 80)").stderr
-    assert "socket.bind is not allowed" in run_code("import socket\nsocket.socket().bind(('127.0.0.1', 0))").stderr
+    assert "socket.getaddrinfo is not allowed" in run("import socket\nsocket.getaddrinfo('localhost', 80)").stderr
+    assert "socket.bind is not allowed" in run("import socket\nsocket.socket().bind(('127.0.0.1', 0))").stderr
 
 
 @pytest.mark.parametrize("code, refused", [
@@ -264,16 +287,16 @@ def test_the_network_is_refused():
     ("import os, shutil, sys, _typing\nshutil.copy(_typing.__file__, os.path.basename(_typing.__file__)"
      ".replace('_typing', 'mine'))\nsys.path.insert(0, '.')\nimport mine", "loading"),
 ])
-def test_the_usual_ways_around_the_hook_are_refused(code, refused):
-    result = run_code(code, QUICK)
+def test_the_usual_ways_around_the_hook_are_refused(run, code, refused):
+    result = run(code, QUICK)
     assert not result.ok and "PermissionError: sandbox:" in result.stderr
     if refused is not None:
         assert refused in result.stderr
 
 
-def test_patching_os_does_not_change_the_hook(tmp_path):
+def test_patching_os_does_not_change_the_hook(run, tmp_path):
     target = tmp_path / "escaped"
-    result = run_code(f"import os, os.path, builtins\nos.path.realpath = os.path.abspath = lambda p: os.getcwd()\n"
+    result = run(f"import os, os.path, builtins\nos.path.realpath = os.path.abspath = lambda p: os.getcwd()\n"
                       f"os.stat = os.readlink = os.getcwd = lambda *a: None\nbuiltins.isinstance = lambda *a: False\n"
                       f"open({str(target)!r}, 'w')", QUICK)
     assert "PermissionError: sandbox: writing outside" in result.stderr

@@ -35,10 +35,10 @@ MAIN_SPEC_TEXT = ("a function in __main__ (a notebook cell, or the script itself
 
 
 def check_reward_spec(value: str) -> str:
-    """One reward: 'exact', 'numeric', 'regex:<pattern>' or 'module:function'."""
+    """One reward: 'exact', 'numeric', 'code_tests', 'regex:<pattern>' or 'module:function'."""
     if value.startswith("__main__:"):
         raise ValueError(MAIN_SPEC_TEXT)
-    if value in ("exact", "numeric"):
+    if value in ("exact", "numeric", "code_tests"):
         return value
     if value.startswith("regex:"):
         try:
@@ -48,7 +48,7 @@ def check_reward_spec(value: str) -> str:
         return value
     if re.fullmatch(SPEC_RE, value):
         return value
-    raise ValueError(f"{value!r} must be 'exact', 'numeric', 'regex:<pattern>' or 'module:function'")
+    raise ValueError(f"{value!r} must be 'exact', 'numeric', 'code_tests', 'regex:<pattern>' or 'module:function'")
 
 
 def check_user_spec(value: str) -> str:
@@ -75,6 +75,17 @@ class RewardFields(Section):
         None, ge=1, le=1024, description="Reward calls at once per function: worker processes of a plain "
                                          "function, concurrent calls of an async one (None = the completions "
                                          f"in flight, at most {AUTO_WORKERS_CAP}).")
+    sandbox: Literal["namespaces", "process"] = Field(
+        "namespaces", description="How model-written code runs (code tools, the code_tests reward): 'namespaces' "
+                                  "(bwrap: new user, PID, network, IPC, UTS and cgroup namespaces, a read-only view of "
+                                  "the interpreter only) or 'process' (rlimits and an audit hook only: weaker; for "
+                                  "hosts that refuse namespaces).")
+
+    def sandbox_env(self) -> dict[str, str]:
+        """The environment that carries `sandbox` into the tool and reward workers."""
+        from ..sandbox.runner import ISOLATION_ENV
+
+        return {ISOLATION_ENV: self.sandbox}
 
     def reward_list(self) -> list[str]:
         reward: Any = getattr(self, "reward", None)
@@ -94,8 +105,9 @@ class ProblemRewards(RewardFields):
     """A problem set scored against its reference answers: the rewards and the system prompt."""
 
     reward: Union[RewardSpec, list[RewardSpec]] = Field(
-        "exact", description="'exact', 'numeric', 'regex:<pattern>' or a user 'module:function', or a list of "
-                             "them (combined by reward_weights).")
+        "exact", description="'exact', 'numeric', 'code_tests' (the completion's last Python block against the "
+                             "record's `tests`), 'regex:<pattern>' or a user 'module:function', or a list of them "
+                             "(combined by reward_weights).")
     system_prompt: str | None = Field(None, description="System message (None = the model's default; a chat "
                                                         "prompt's own system message wins).")
 

@@ -28,6 +28,7 @@ from ..outcomes import EpisodeStats, Outcome
 from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext, sub_seed
 from ..config import auto_workers
 from ..rewards import Batch, Rewards, make_rewards
+from ..sandbox import describe as describe_isolation, is_sandboxed
 from ..timing import NO_WAITS, Waits
 from .api import Split, check_env
 from .episode import Episode, EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, guarded
@@ -62,6 +63,15 @@ def load_object(spec: str, where: str) -> Any:
     return obj
 
 
+def env_tools(spec: str) -> list[Any]:
+    """The tools of the environment `spec` builds first (none if it cannot be built: loading the
+    task says why, with the field's name)."""
+    try:
+        return list(getattr(load_object(spec, "task.env")(0, "train"), "tools", []) or [])
+    except Exception:
+        return []
+
+
 class EnvSource:
     """One adapter's environment task (`rollout.RolloutSource`): `settings` for its training
     episodes, `group_size` of them per group, `eval_settings` for held-out ones."""
@@ -91,13 +101,15 @@ class EnvSource:
         latency = config.tool_latency
         self.toolbox = (ToolBox(self.tools, config.tool_timeout_s, auto_workers(config.tool_workers, in_flight),
                                 None if latency is None else SimulatedLatency(latency.median_s, latency.sigma,
-                                                                              latency.seed + seed))
+                                                                              latency.seed + seed),
+                                env=config.sandbox_env())
                         if self.tools else None)
         self.reward: Rewards | None = None
         if config.reward is not None:
             try:
                 self.reward = make_rewards(config.reward_list(), config.reward_weights, config.reward_timeout_s,
-                                           auto_workers(config.reward_workers, in_flight), self.stats)
+                                           auto_workers(config.reward_workers, in_flight), self.stats,
+                                           env=config.sandbox_env())
             except Exception:
                 self.close()
                 raise
@@ -127,6 +139,8 @@ class EnvSource:
                      "(task.tool_latency)")
         if self.reward is not None:
             line += "; " + self.reward.describe(list(REWARD_FIELDS))
+        if any(is_sandboxed(t) for t in self.tools):
+            line += "; code runs in " + describe_isolation(self.config.sandbox)
         return line
 
     async def build(self, index: int, split: Split) -> Any:

@@ -18,7 +18,7 @@ import re
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..guarded import GuardedError, GuardedPool
 from .api import ToolCall, ToolResult
@@ -175,10 +175,11 @@ class ToolBox:
     `workers` is how many calls of one tool run at once: a plain tool in up to that many
     processes (started on demand), an `async def` tool as that many coroutines in one process.
     A call past `timeout_s` is cut off alone; the others go on. With `latency` (a simulation),
-    every call first waits a drawn delay, outside the tool's time limit."""
+    every call first waits a drawn delay, outside the tool's time limit. `env` goes into the
+    workers' environment (the run's sandbox isolation)."""
 
     def __init__(self, tools: list[Callable[..., Any]], timeout_s: float, workers: int = 2,
-                 latency: SimulatedLatency | None = None) -> None:
+                 latency: SimulatedLatency | None = None, env: Mapping[str, str] | None = None) -> None:
         self.schemas = tool_schemas(tools)
         self.timeout_s = timeout_s
         self.latency = latency
@@ -186,7 +187,7 @@ class ToolBox:
         try:
             for schema, fn in zip(self.schemas, tools):
                 spec, extra_paths = import_path(fn)
-                self._pools[schema["function"]["name"]] = GuardedPool(spec, timeout_s, workers, extra_paths)
+                self._pools[schema["function"]["name"]] = GuardedPool(spec, timeout_s, workers, extra_paths, env)
         except GuardedError as exc:
             self.close()
             raise ToolError(f"tool {exc}") from None

@@ -86,11 +86,14 @@ class GuardedPool:
     """One user function in child processes; see the module docstring.
 
     `extra_paths` go on the children's sys.path after their working directory (the parent's,
-    as at construction), so a function in the user's project or next to a test imports."""
+    as at construction), so a function in the user's project or next to a test imports; `env`
+    is added to their environment."""
 
-    def __init__(self, spec: str, timeout_s: float, size: int = 1, extra_paths: Iterable[str] = ()) -> None:
+    def __init__(self, spec: str, timeout_s: float, size: int = 1, extra_paths: Iterable[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
         self.spec, self.timeout_s, self.size = spec, timeout_s, max(1, size)
         self.extra_paths = list(extra_paths)
+        self.env = dict(env or {})
         self._cwd = os.getcwd()  # a restart after a chdir must import the same module
         self._ids = itertools.count()
         self._workers: list[Worker] = []
@@ -103,7 +106,7 @@ class GuardedPool:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        first = Worker.spawn(spec, self.extra_paths, self._cwd)  # on this thread: import errors surface now
+        first = Worker.spawn(spec, self.extra_paths, self._cwd, self.env)  # on this thread: import errors surface now
         hello = first.read_hello(HELLO_TIMEOUT_S)
         if hello is None or not hello.get("ready"):
             error = (hello or {}).get("error") or first.stderr_tail() or "the worker exited without a word"
@@ -254,7 +257,7 @@ class GuardedPool:
         waiting = len(self._queue) if not self._workers else sum(self._overdue(c) for c in self._queue)
         while len(self._workers) < self._limit and starting < waiting:
             try:
-                worker = Worker.spawn(self.spec, self.extra_paths, self._cwd)
+                worker = Worker.spawn(self.spec, self.extra_paths, self._cwd, self.env)
             except OSError as exc:
                 self._fail_queue(f"could not start a worker: {exc}")
                 return

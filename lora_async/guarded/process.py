@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import IO, Any
+from typing import IO, Any, Mapping
 
 WORKER_MODULE = "lora_async.guarded.worker"
 STDERR_TAIL_CHARS = 500  # how much of a dead child's stderr goes into its error message
@@ -45,9 +45,10 @@ class Worker:
     cancelling: dict[int, float] = dataclasses.field(default_factory=dict)  # call id -> kill deadline
 
     @classmethod
-    def spawn(cls, spec: str, extra_paths: list[str], cwd: str) -> "Worker":
-        """Start a child that imports `spec`, from `cwd` (also first on its PYTHONPATH)."""
-        env = dict(os.environ)
+    def spawn(cls, spec: str, extra_paths: list[str], cwd: str, extra_env: Mapping[str, str] | None = None) -> "Worker":
+        """Start a child that imports `spec`, from `cwd` (also first on its PYTHONPATH), with
+        `extra_env` added to this process's environment."""
+        env = {**os.environ, **(extra_env or {})}
         env["PYTHONPATH"] = os.pathsep.join(p for p in [cwd, env.get("PYTHONPATH", "")] if p)
         stderr = tempfile.TemporaryFile()  # a file, not a pipe: a chatty function never blocks on it
         proc = subprocess.Popen(

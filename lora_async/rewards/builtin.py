@@ -1,5 +1,6 @@
 """The builtin rewards, by name: `exact`, `numeric` and `regex:<pattern>`. They only compare a
-completion with the answer (or a pattern), so they run in-process: no worker, no wait."""
+completion with the answer (or a pattern), so they run in-process: no worker, no wait.
+(`code_tests` runs programs, so it runs in the reward pool like a user function: `code.py`.)"""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from ..guarded import GuardedError, GuardedPool, Outcome
 from .builtin import builtin_reward
+from .code import SPEC as CODE_TESTS_SPEC
 
 Prompt = Any  # the problem's prompt: text, or a list of chat messages ({"role", "content"})
 BATCH_MARK = "completions"  # a parameter of this name makes a function batched (TRL's convention)
@@ -132,10 +133,11 @@ class BuiltinFunction:
 class PooledFunction:
     """A user `module:function` in a `GuardedPool` of `workers` (see the module docstring)."""
 
-    def __init__(self, spec: str, timeout_s: float, workers: int, name: str) -> None:
+    def __init__(self, spec: str, timeout_s: float, workers: int, name: str, env: Mapping[str, str] | None = None,
+                 runs: str | None = None) -> None:
         self.spec, self.name = spec, name
         try:
-            self._pool = GuardedPool(spec, timeout_s, size=workers)
+            self._pool = GuardedPool(runs or spec, timeout_s, size=workers, env=env)
         except GuardedError as exc:
             raise RewardError(f"reward function {exc}") from None
         self.batched = BATCH_MARK in self._pool.params
@@ -205,11 +207,16 @@ class PooledFunction:
         self._pool.close()
 
 
-def make_function(spec: str, timeout_s: float, workers: int, name: str) -> RewardFunction:
-    """The function a spec names: a builtin by name, else a user `module:function`."""
+def make_function(spec: str, timeout_s: float, workers: int, name: str,
+                  env: Mapping[str, str] | None = None) -> RewardFunction:
+    """The function a spec names: a builtin by name, else a user `module:function`. `env` goes
+    into the pool's workers' environment (the run's sandbox isolation)."""
     builtin = builtin_reward(spec)
     if builtin is not None:
         return BuiltinFunction(spec, builtin, name)
+    if spec == "code_tests":  # runs programs: in the pool, like a user function
+        return PooledFunction(spec, timeout_s, workers, name, env, runs=CODE_TESTS_SPEC)
     if ":" not in spec:
-        raise RewardError(f"unknown reward {spec!r}: use exact, numeric, regex:<pattern> or module:function")
-    return PooledFunction(spec, timeout_s, workers, name)
+        raise RewardError(f"unknown reward {spec!r}: use exact, numeric, code_tests, regex:<pattern> or "
+                          "module:function")
+    return PooledFunction(spec, timeout_s, workers, name, env)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..rollout import RewardStats
 from ..timing import NO_WAITS, Wait, Waits
@@ -93,13 +93,14 @@ class Rewards:
 
 
 def make_rewards(specs: Sequence[str], weights: Sequence[float] | None, timeout_s: float, workers: int,
-                 stats: RewardStats) -> Rewards:
+                 stats: RewardStats, env: Mapping[str, str] | None = None) -> Rewards:
     """The rewards a task's `reward` names (one spec or several); a function that cannot load
-    is a `RewardError`, and the ones loaded before it are closed."""
+    is a `RewardError`, and the ones loaded before it are closed. `env` goes into the workers'
+    environment."""
     functions: list[RewardFunction] = []
     try:
         for spec, name in zip(specs, function_names(specs)):
-            functions.append(make_function(spec, timeout_s, workers, name))
+            functions.append(make_function(spec, timeout_s, workers, name, env))
     except Exception:
         for fn in functions:
             fn.close()

@@ -63,7 +63,8 @@ class RecordProblems:
         self._heldout = [dataclasses.replace(p, index=i) for i, p in enumerate(heldout)]
         self._order: tuple[int, list[int]] | None = None  # (epoch, permutation) of the latest epoch asked for
         self.rewards: Rewards = make_rewards(config.reward_list(), config.reward_weights, config.reward_timeout_s,
-                                             reward_workers, self.stats)
+                                             reward_workers, self.stats, env=config.sandbox_env())
+        self.sandbox = config.sandbox if "code_tests" in config.reward_list() else None
 
     def _train_record(self, position: int) -> Problem:
         raise NotImplementedError
@@ -86,8 +87,14 @@ class RecordProblems:
                + self.reward_line()
 
     def reward_line(self) -> str:
-        """A startup line naming the fields the reward gets, judged by the first record."""
-        return self.rewards.describe([*ROLE_FIELDS, *self._train_record(0).fields])
+        """A startup line naming the fields the reward gets, judged by the first record (and
+        where code_tests runs the programs)."""
+        line = self.rewards.describe([*ROLE_FIELDS, *self._train_record(0).fields])
+        if self.sandbox is not None:
+            from ..sandbox import describe
+
+            line += "; programs run in " + describe(self.sandbox)
+        return line
 
     def close(self) -> None:
         self.rewards.close()

@@ -1,8 +1,9 @@
 """Multiplication with a Python tool: the calculator's problem (2-digit products, which the
 embedded 135M model cannot work out in its head), with a code interpreter as the tool. The
-model writes a program in a `run_python` call; it runs in the sandbox (`envs/sandbox.py`: a
-child interpreter with CPU, memory, file-size and wall-clock limits, no processes, no network,
-no writes outside its own temporary directory), and what it prints is the tool's answer. A
+model writes a program in a `run_python` call; it runs in the sandbox (`lora_async.sandbox`: a
+fresh interpreter in its own namespaces, with CPU, memory, file-size and wall-clock limits, no
+processes, no network, nothing of the host but the interpreter to read, and a small tmpfs to
+write), and what it prints is the tool's answer. A
 program that fails (an exception, a limit, a refused operation) comes back as a tool error
 with its traceback and the reason, so the model can try again.
 
@@ -26,7 +27,7 @@ success (32 problems) in 7 steps, 10.6 minutes with engine start.
 
 from __future__ import annotations
 
-from ..sandbox import KB, MB, SandboxLimits, run_code
+from ...sandbox import KB, MB, SandboxLimits, run_python as run_sandboxed, sandboxed
 from .calculator import Multiply, draw
 
 # The tool's limits. A product takes milliseconds; anything near these is a mistake. The wall
@@ -45,13 +46,14 @@ class ProgramError(RuntimeError):
     """The program failed; the message (reason, output, traceback) is what the model reads."""
 
 
+@sandboxed
 def run_python(code: str) -> str:
     """Run a Python program and return what it prints.
 
     Args:
         code: a Python program that prints its result, e.g. "print(12 * 34)"
     """
-    result = run_code(code, LIMITS)
+    result = run_sandboxed(code, limits=LIMITS)  # the run's task.sandbox, through the worker's environment
     if not result.ok:
         raise ProgramError(result.text())  # the toolbox hands it back as "error: ..." and counts it
     return result.text()
