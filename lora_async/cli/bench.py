@@ -185,6 +185,25 @@ def bench_rewards(
     print(json.dumps(report, indent=2))
 
 
+@bench_app.command("sandbox")
+def bench_sandbox(
+    calls: int = typer.Option(100, "--calls", min=1, help="Sequential print(1) runs per round and isolation."),
+    concurrency: int = typer.Option(48, "--concurrency", min=1, help="Callers at once for the throughput."),
+    per_thread: int = typer.Option(4, "--per-thread", min=1, help="Calls per caller in the throughput test."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (the isolations alternate; medians reported)."),
+) -> None:
+    """The namespaced runner's cost beside the process runner: p50/p95 of a print(1) run, and
+    calls per second with --concurrency callers at once."""
+    from ..bench.sandbox import run_sandbox_bench
+    from ..sandbox import SandboxUnavailable
+
+    try:
+        report = run_sandbox_bench(calls, concurrency, per_thread, rounds)
+    except SandboxUnavailable as exc:
+        fail(str(exc))
+    print(json.dumps(report, indent=2))
+
+
 @bench_app.command("fleet")
 def bench_fleet(
     config: Path = typer.Argument(Path("examples/arithmetic.toml"), help="Base config (model, learner, ...)."),
