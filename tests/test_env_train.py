@@ -66,13 +66,15 @@ def run_cli(args: list[str]):
     return CliRunner().invoke(app, args)
 
 
-def two_steps_of(config: Path, model: Path, out: Path) -> tuple[list[dict], list[dict], dict]:
+def two_steps_of(config: Path, model: Path, out: Path, *extra: str) -> tuple[list[dict], list[dict], dict]:
     """Train an example environment config 2 steps on a tiny model through the CLI (eval at start
-    and end on 4 episodes); its step rows, eval rows and summary, with what every run shows checked."""
+    and end on 4 episodes); its step rows, eval rows and summary, with what every run shows checked.
+    `extra`: more --set arguments; the CLI's output is in the summary under "output"."""
     result = run_cli(["train", str(config), "--set", f"model.name={model}", "--set", "generator.kv_cache_gb=0.25",
                       "--set", "run.max_steps=2", "--set", f"run.output_dir={out}", "--set", "run.time_budget_s=600",
                       "--set", "task.heldout=4", "--set", "sampling.samples_per_prompt=4",
-                      "--set", "learner.groups_per_step=2", "--set", "run.eval_every=0", "--set", "run.progress=false"])
+                      "--set", "learner.groups_per_step=2", "--set", "run.eval_every=0", "--set", "run.progress=false",
+                      *[arg for setting in extra for arg in ("--set", setting)]])
     assert result.exit_code == 0, result.output
     rows = read_metrics(out / "metrics.jsonl")
     steps = [r for r in rows if "kind" not in r]
@@ -82,7 +84,7 @@ def two_steps_of(config: Path, model: Path, out: Path) -> tuple[list[dict], list
     assert [e["when"] for e in evals] == ["start", "end"] and all(e["n"] == 4 for e in evals)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["episodes"] >= 16 and summary["env_errors"] == 0
-    return steps, evals, summary
+    return steps, evals, {**summary, "output": result.output}
 
 
 @pytest.mark.parametrize("example, model", [("calculator", "tool_caller"), ("guess", "tiny_model")])
@@ -107,6 +109,23 @@ def test_a_builtin_environment_trains_a_few_steps_on_a_tiny_model(tmp_path, requ
     if example == "calculator":  # the tool's result is the next message of every episode shown
         assert all(r["tool_call_rate"] == 1.0 for r in report["results"])
         assert all("[tool] 42" in conversation for r in report["results"] for _, conversation, _ in r["examples"])
+
+
+def test_tools_that_run_code_train_inside_the_namespaces_by_default(tmp_path, tool_caller):
+    """The calculator with its tool run as a program in the sandbox (tests/sandboxed_calculator.py):
+    the run probes the namespaces before the model loads, says so, and every call of every
+    episode runs inside them (the tool reports the isolation it ran in)."""
+    steps, evals, summary = two_steps_of(REPO / "examples" / "calculator.toml", tool_caller, tmp_path / "caged",
+                                         "task.env=tests.sandboxed_calculator:make")
+    assert "code runs in namespaces (bwrap " in summary["output"]
+    assert all(r["tool_call_rate"] == 1.0 for r in steps)
+    assert summary["tool_calls"] >= summary["episodes"] and summary["tool_errors"] == 0
+    scored = run_cli(["eval", str(REPO / "examples" / "calculator.toml"), "--set", f"model.name={tool_caller}",
+                      "--set", "generator.kv_cache_gb=0.25", "--set", "task.env=tests.sandboxed_calculator:make",
+                      "--limit", "2", "--json"])
+    assert scored.exit_code == 0, scored.output
+    report = json.loads(scored.output[scored.output.index("{"):])
+    assert all("[tool] 42 (namespaces)" in conversation for r in report["results"] for _, conversation, _ in r["examples"])
 
 
 @pytest.mark.long
