@@ -63,14 +63,16 @@ def test_input_output_cases_compare_stdout(isolation):
     assert fraction(counter, [{"input": "", "output": "1"}] * 3, isolation) == 1.0
 
 
-def test_a_program_that_fails_or_hangs_fails_what_it_did_not_reach(isolation):
+def test_a_program_that_fails_or_hangs_passes_nothing(isolation):
     assert fraction("def add(a, b):\n    return a +\n", ADD_TESTS, isolation) == 0.0  # a syntax error
     assert fraction("raise SystemExit(3)\n" + ADD, ADD_TESTS, isolation) == 0.0
+    # the verdicts are written once, after the last test: a run cut off at a limit has none
     loops = ADD + "def spin():\n    while True:\n        pass\n"
     result = run_python(loops, tests=["assert add(1, 1) == 2", "spin()", "assert add(1, 2) == 3"],
-                        limits=SandboxLimits(cpu_s=1, wall_s=3.0), isolation=isolation)
-    assert result.tests is not None and result.tests.passed == 1 and result.tests.total == 3
-    assert result.tests.failures[-1].startswith("test 2: not reached")
+                        limits=SandboxLimits(cpu_s=1, wall_s=15.0), isolation=isolation)
+    assert result.tests is not None and result.tests.passed == 0 and result.tests.total == 3
+    assert result.reason == "killed: CPU time limit (1s)"
+    assert all("not reached" in failure for failure in result.tests.failures)
 
 
 @pytest.mark.parametrize("cheat", [
@@ -84,8 +86,19 @@ def test_a_program_that_fails_or_hangs_fails_what_it_did_not_reach(isolation):
     "import gc\nprint([o for o in gc.get_objects() if isinstance(o, str) and len(o) == 32])",
     # patch what the harness uses to judge
     "import builtins\nbuiltins.str = lambda *a: 'x'\nbuiltins.len = lambda *a: 0\nbuiltins.BaseException = KeyError",
-    # read the tests from stdin (the harness has read them already)
+    # read the tests and the nonce from stdin (the harness has read them, and fd 0 is /dev/null)
     "import sys\nprint(sys.stdin.read())",
+    "import os\nos.lseek(0, 0, 0)\nprint(os.read(0, 100000))\nprint(open('/proc/self/fd/0').read())",
+    # a thread, or a signal handler, that waits for the real verdicts and rewrites them
+    "import threading\nthreading.Thread(target=print).start()",
+    "import os, signal\n"
+    "def forge(*_):\n"
+    "    data = open('/proc/self/fd/1', 'rb').read()\n"
+    "    if b' 0 ' in data:\n"
+    "        nonce = data.split()[0]\n"
+    "        os.ftruncate(1, 0)\n"
+    "        os.write(1, b''.join(b'%s %d pass x\\n' % (nonce, i) for i in range(4)))\n"
+    "signal.signal(signal.SIGALRM, forge)\nsignal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)",
 ])
 def test_a_program_cannot_forge_its_verdicts(isolation, cheat):
     result = run_python(cheat, tests=ADD_TESTS, isolation=isolation)

@@ -16,10 +16,12 @@ itertools.count, can only go up). Its messages are the code's PermissionErrors.
 With tests (`"tests": true`), stdin carries `{"nonce", "kind", "tests"}`, read before the code
 runs. The code runs once (kind "asserts": then each test statement runs in its namespace) or
 once per case (kind "io": the case's input on stdin, its stdout compared with the case's
-output). Each test's verdict is a line `NONCE INDEX pass|fail WHY` on the real stdout; the
-code's own output goes to a bounded buffer. The code never sees the nonce: it is held only by
-the harness's locals, and the hook refuses frame introspection and the gc's object lists, so
-a program cannot print a verdict of its own.
+output). Each test's verdict is a line `NONCE INDEX pass|fail WHY`; the code's own output goes
+to a bounded buffer. The code never sees the nonce: stdin is replaced by /dev/null once read,
+the nonce is held only by the harness's locals, the hook refuses frame introspection, the gc's
+object lists and threads, and all verdicts go to the real stdout in one write after the last
+of the code has run, followed at once by the process's end (signals blocked, gc off). So a
+program cannot print a verdict of its own; one that hangs or dies gets none.
 """
 
 # mypy: ignore-errors
@@ -61,7 +63,7 @@ def install(root, cpu_s, cpu_grace_s, memory_bytes, file_bytes, open_files, proc
     }
     if not frames:
         refused_events.update({"sys._getframe": "no frames", "sys._current_frames": "no frames"})
-    refused_modules = frozenset({
+    refused_modules = frozenset(({"_thread"} if not frames else set()) | {
         "ctypes", "_ctypes", "_ctypes_test", "_posixsubprocess", "_posixshmem", "_multiprocessing", "_sqlite3",
         "_xxsubinterpreters", "_xxtestfuzz", "_testcapi", "_testinternalcapi", "_testbuffer", "_testmultiphase",
         "_testclinic", "_testimportmultiple", "_tkinter", "nis", "syslog", "ossaudiodev",
@@ -166,6 +168,15 @@ def install(root, cpu_s, cpu_grace_s, memory_bytes, file_bytes, open_files, proc
 
     import builtins  # -S skips `site`, which defines exit() and quit()
     builtins.exit = builtins.quit = sys.exit
+    if audit and not frames:  # the tests' harness: no thread may run beside its last write
+        import _thread
+
+        def start_new_thread(*args, PermissionError=PermissionError):
+            raise PermissionError("sandbox: threads are not allowed while tests run")
+
+        _thread.start_new_thread = start_new_thread
+        if "threading" in sys.modules:
+            sys.modules["threading"]._start_new_thread = start_new_thread
     if audit:
         stand_in.fork_exec = fork_exec
         sys.modules["_posixsubprocess"] = stand_in
@@ -215,9 +226,20 @@ def harness(main_file, source, payload, fresh_main=fresh_main):
                 StringIO.write(self, text[:limit])
             return len(text)
 
-    def verdict(index, passed, why, nonce=nonce, write=os.write, fd=real_stdout, str=str):
-        why = str.replace(str.__str__(why), "\n", " ")[:160]
-        write(fd, str.encode("%s %d %s %s\n" % (nonce, index, "pass" if passed else "fail", why), "utf-8", "replace"))
+    verdicts = []
+
+    def verdict(index, passed, why, verdicts=verdicts, str=str):
+        why = str.replace(str.__str__(why), "\n", " ")[:100]
+        verdicts.append("%s %d %s %s\n" % (nonce, index, "pass" if passed else "fail", why))
+
+    def report(verdicts=verdicts, write=os.write, fd=real_stdout, exit=os._exit, join="".join, gc=__import__("gc"),
+               signal=__import__("signal")):
+        """All verdicts in one write, then the end: no program code runs between (no threads, no
+        signal handlers, no finalizers), so none can read the nonce off the file and forge more."""
+        gc.disable()
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        write(fd, join(verdicts).encode("utf-8", "replace"))
+        exit(0)
 
     def describe(exc, type=type, str=str, BaseException=BaseException):
         try:
@@ -251,7 +273,7 @@ def harness(main_file, source, payload, fresh_main=fresh_main):
             got, error = run(fresh_main(main_file).__dict__, stdin_text)
             passed = error is None and lines(got) == lines(want)
             verdict(index, passed, error or ("" if passed else "wrong output"))
-        return
+        report()
     statements = [compile_(str_(test), "test", "exec") for test in tests]
     namespace = fresh_main(main_file).__dict__
     _, error = run(namespace, "")
@@ -265,13 +287,19 @@ def harness(main_file, source, payload, fresh_main=fresh_main):
             verdict(index, False, describe(exc))
         else:
             verdict(index, True, "")
+    report()
 
 
 def main():
     import json
 
     settings = json.loads(sys.argv[1])
-    payload = json.loads(sys.stdin.read()) if settings["tests"] else None  # before the hook: the nonce
+    payload = None
+    if settings["tests"]:  # before the hook: the tests and the nonce; then fd 0 leads nowhere
+        import os
+
+        payload = json.loads(sys.stdin.read())
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     main_file = settings["main"]
     install(settings["root"], settings["cpu_s"], settings["cpu_grace_s"], settings["memory_bytes"],
             settings["file_bytes"], settings["open_files"], settings["processes"], settings["new_files"],
