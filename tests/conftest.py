@@ -202,3 +202,16 @@ def _unit_tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
             pytest.fail(f"{node} ran `lora-async {command}` past its config check (exit {process.returncode}) but is "
                         "not marked `slow`: mark it (it does not belong in the unit tier)", pytrace=False)
 
+
+@pytest.fixture
+def listener() -> Any:
+    """A TCP listener on the host's 127.0.0.1, non-blocking: `accept()` raises BlockingIOError
+    while no connection has arrived (a connect() that returned has its connection queued)."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.setblocking(False)
+    yield server
+    server.close()

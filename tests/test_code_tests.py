@@ -131,6 +131,9 @@ def test_the_reward_scores_a_group_at_once_in_the_pool():
     try:
         fenced = f"Here it is:\n```python\n{ADD}```"
         napping = f"```python\nimport time\ntime.sleep(2)\n{ADD}```"
+        # workers start on demand, when calls queue: a first group of naps starts three, so the
+        # naps measured below wait for no worker to start
+        assert score(rewards, [napping] * 3, {"tests": ADD_TESTS}).rewards == [0.75] * 3
         scores = score(rewards, [fenced, "def add(a, b): return a + b  (no fence)", napping, napping, napping],
                        {"tests": ADD_TESTS})
         assert scores.rewards == [0.75, 0.0, 0.75, 0.75, 0.75] and scores.fault is None

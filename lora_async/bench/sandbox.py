@@ -80,10 +80,11 @@ def run_sandbox_bench(calls: int, concurrency: int, per_thread: int, rounds: int
             p95[isolation].append(percentile(times, 0.95))
         for isolation in order:
             rate[isolation].append(throughput(isolation, concurrency, per_thread))
-    figures: dict[str, dict[str, Any]] = {i: {"p50_ms": 1000 * statistics.median(p50[i]), "p95_ms": 1000 * statistics.median(p95[i]),
-                   "calls_per_s": statistics.median(rate[i]),
-                   "rounds": {"p50_ms": [1000 * v for v in p50[i]], "p95_ms": [1000 * v for v in p95[i]],
-                              "calls_per_s": rate[i]}} for i in ISOLATIONS}
+    figures: dict[str, dict[str, Any]] = {
+        i: {"p50_ms": 1000 * statistics.median(p50[i]), "p95_ms": 1000 * statistics.median(p95[i]),
+            "calls_per_s": statistics.median(rate[i]),
+            "rounds": {"p50_ms": [1000 * v for v in p50[i]], "p95_ms": [1000 * v for v in p95[i]], "calls_per_s": rate[i]}}
+        for i in ISOLATIONS}
     ns, proc = figures["namespaces"], figures["process"]
     return {"code": CODE, "calls": calls, "concurrency": concurrency, "per_thread": per_thread, "rounds": rounds,
             "cage": cage().describe(), **figures,

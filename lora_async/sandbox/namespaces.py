@@ -32,6 +32,7 @@ from .limits import SandboxLimits
 UID = 65534  # "nobody", inside: no capabilities, owns nothing but the working directory
 WORK = "/work"  # the working directory inside: a size-limited tmpfs
 PRELUDE = "/sandbox/prelude.py"
+PRELUDE_FILE = str(Path(__file__).with_name("prelude.py").resolve())  # on the host
 HOSTNAME = "sandbox"
 SYSTEM_LIBRARIES = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32", "/lib", "/lib64", "/lib32", "/libx32")
 NAMESPACES = ("user", "pid", "net", "ipc", "uts", "cgroup")
@@ -140,8 +141,7 @@ def _layout(bwrap: str, version: str) -> Cage:
     bases = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}
     site = {os.path.realpath(sysconfig.get_path(name, vars=bases)) for name in ("purelib", "platlib")}
     hidden = sorted(p for p in site if os.path.isdir(p) and any(_under(p, b) for b in binds))
-    prelude = str(Path(__file__).with_name("prelude.py").resolve())
-    return Cage(bwrap, version, interpreter, tuple(binds), tuple(links), tuple(hidden), prelude)
+    return Cage(bwrap, version, interpreter, tuple(binds), tuple(links), tuple(hidden), PRELUDE_FILE)
 
 
 def _under(path: str, prefix: str) -> bool:

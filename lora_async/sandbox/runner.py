@@ -40,14 +40,13 @@ from pathlib import Path
 from typing import IO, Any, Literal, Sequence
 
 from .limits import KB, SandboxLimits, SandboxResult, TestReport, cut
-from .namespaces import WORK, Cage, cage
+from .namespaces import PRELUDE_FILE, WORK, Cage, cage
 from .namespaces import PRELUDE as PRELUDE_INSIDE
 
 Isolation = Literal["namespaces", "process"]
 ISOLATIONS: tuple[Isolation, ...] = ("namespaces", "process")
 ISOLATION_ENV = "LORA_ASYNC_SANDBOX"  # how a run's `task.sandbox` reaches its tool and reward workers
 MAIN_FILE = "main.py"  # the code's file name in its tracebacks, as if the user ran `python main.py`
-PRELUDE_FILE = str(Path(__file__).with_name("prelude.py").resolve())
 INTERPRETER_FLAGS = ("-I", "-S", "-B")
 OPEN_FILES = 64  # descriptors at once: the interpreter uses a handful
 NEW_FILES = 64  # files and directories the code may create: with FILE_BYTES, bounds its disk use
@@ -131,24 +130,28 @@ def run_in_cage(found: Cage, code: str, limits: SandboxLimits, payload: dict[str
                 audit: bool = True) -> SandboxResult:
     """Run under bwrap (`namespaces.py`); the code reaches /work/main.py through a memfd. `audit`
     False leaves the audit hook out (the attack tests: the namespaces must hold alone)."""
+    base = Path(tempfile.mkdtemp(prefix="lora-async-sandbox-"))  # the output files; never visible inside
     main_fd = os.memfd_create(MAIN_FILE)
     try:
         os.write(main_fd, code.encode("utf-8"))
         os.lseek(main_fd, 0, os.SEEK_SET)
         argv = [*found.argv(limits, main_fd), *INTERPRETER_FLAGS, PRELUDE_INSIDE, _settings(WORK, limits, payload, audit)]
-        return _run(argv, None, limits, payload, "namespaces", pass_fds=(main_fd,))
+        return _run(argv, base, None, limits, payload, "namespaces", pass_fds=(main_fd,))
     finally:
         os.close(main_fd)
+        _remove(base)
 
 
 def _run_in_process(code: str, limits: SandboxLimits, payload: dict[str, Any] | None) -> SandboxResult:
-    work = Path(tempfile.mkdtemp(prefix="lora-async-sandbox-")).resolve()
+    base = Path(tempfile.mkdtemp(prefix="lora-async-sandbox-")).resolve()
     try:
+        work = base / "work"  # the code's working directory; the output files stay outside it
+        work.mkdir()
         (work / MAIN_FILE).write_text(code, encoding="utf-8")
         argv = [sys.executable, *INTERPRETER_FLAGS, PRELUDE_FILE, _settings(str(work), limits, payload)]
-        return _run(argv, work, limits, payload, "process")
+        return _run(argv, base, work, limits, payload, "process")
     finally:
-        _remove(work)
+        _remove(base)
 
 
 def _settings(root: str, limits: SandboxLimits, payload: dict[str, Any] | None, audit: bool = True) -> str:
@@ -159,10 +162,10 @@ def _settings(root: str, limits: SandboxLimits, payload: dict[str, Any] | None, 
                        "tests": payload is not None, "audit": audit})
 
 
-def _run(argv: list[str], cwd: Path | None, limits: SandboxLimits, payload: dict[str, Any] | None,
+def _run(argv: list[str], outputs: Path, cwd: Path | None, limits: SandboxLimits, payload: dict[str, Any] | None,
          isolation: Isolation, pass_fds: Sequence[int] = ()) -> SandboxResult:
-    """Start `argv`, wait for it up to the wall limit, kill its group, and read what it wrote."""
-    outputs = Path(tempfile.mkdtemp(prefix="lora-async-sandbox-out-"))  # never visible to the code
+    """Start `argv`, wait for it up to the wall limit, kill its group, and read what it wrote
+    (stdout and stderr go to files in `outputs`, which the caller removes)."""
     stdin: int | IO[bytes] = subprocess.DEVNULL
     try:
         if payload is not None:
@@ -199,7 +202,6 @@ def _run(argv: list[str], cwd: Path | None, limits: SandboxLimits, payload: dict
     finally:
         if not isinstance(stdin, int):
             stdin.close()
-        shutil.rmtree(outputs, ignore_errors=True)
 
 
 def _verdicts(stdout: str, payload: dict[str, Any]) -> tuple[str, TestReport]:
