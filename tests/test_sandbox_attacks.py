@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
 import time
