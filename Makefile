@@ -72,7 +72,7 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench-peers: $(BENCH_STAMP)
-	$(BIN)/python bench/peers/run.py --budget $(PEERS_BUDGET) --seeds $(PEERS_SEEDS) --runs async,sync,trl --out $(PEERS_OUT) --results bench/results/peers-v2.json
+	$(BIN)/python bench/peers/run.py --budget $(PEERS_BUDGET) --seeds $(PEERS_SEEDS) --runs auto,trl --out $(PEERS_OUT) --results bench/results/peers-v2-auto.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -34,6 +34,7 @@ class RunState:
     next_problem: dict[str, int]  # per adapter: index of the next training problem to draw
     wall_s: float
     counters: dict[str, dict[str, Any]]  # per adapter
+    auto: dict[str, Any] | None = None  # an auto run's measurements and decisions (`orchestrator.auto_state`)
 
 
 def save_checkpoint(out_dir: Path, state: RunState, learner: "LearnerAPI") -> Path:
@@ -54,6 +55,7 @@ def save_checkpoint(out_dir: Path, state: RunState, learner: "LearnerAPI") -> Pa
             "next_problem": state.next_problem,
             "wall_s": state.wall_s,
             "counters": state.counters,
+            "auto": state.auto,
             "rng": {
                 "python": _py_rng_to_json(random.getstate()),
                 "torch": torch.get_rng_state().tolist(),
@@ -85,7 +87,13 @@ def load_checkpoint(path: Path, learner: "LearnerAPI") -> RunState:
     random.setstate(_py_rng_from_json(payload["rng"]["python"]))
     torch.set_rng_state(torch.tensor(payload["rng"]["torch"], dtype=torch.uint8))
     return RunState(payload["step"], payload["steps"], payload["next_problem"], payload["wall_s"],
-                    payload["counters"])
+                    payload["counters"], payload.get("auto"))
+
+
+def checkpoint_auto(path: Path) -> dict[str, Any] | None:
+    """An auto run's state in a checkpoint (None: none kept), read before anything is built: the
+    run's mode is set up first."""
+    return json.loads((path / "state.json").read_text()).get("auto")
 
 
 def checkpoint_tensors(path: Path, adapter: str) -> dict[str, torch.Tensor]:

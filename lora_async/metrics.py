@@ -79,9 +79,17 @@ def summary_table(summary: dict[str, Any]) -> Table:
     """The summary's figures, one per row (those `where_the_time_went` shows are left to it)."""
     table = Table(title="lora-async run summary", show_header=False)
     for key, value in summary.items():
-        if not TIME_KEY.search(key):
+        if key == "mode_decisions":
+            table.add_row(key, decisions_line(value))
+        elif not TIME_KEY.search(key):
             table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     return table
+
+
+def decisions_line(decisions: list[dict[str, Any]]) -> str:
+    """A run's mode decisions in one line: "measured at step 1: async k2, confirmed at step 2: ..."."""
+    return ", ".join(f"{d.get('mode_kind')} at step {d.get('mode_decided_at_step', 0)}: {d.get('mode')}"
+                     + (f" k{d.get('mode_staleness')}" if d.get("mode") == "async" else "") for d in decisions) or "-"
 
 
 def where_the_time_went(summary: dict[str, Any]) -> str | None:

@@ -1,60 +1,60 @@
 """Sync or async, and at what staleness: the choice `buffer.mode = "auto"` makes, and why.
 
-Asynchrony pays where a half would otherwise wait: on a tool, a reward or an environment (the
-generator has nothing to compute while every episode in flight waits), or on a device of its
-own (a learner GPU idle while the generator samples). On shared compute where nothing waits,
-both halves do the same work on the same cores, and sync trains on fresher samples.
+Asynchrony pays where a half would otherwise wait (a tool, a reward, an environment, a device
+of its own), and on a CPU engine also through batching: async keeps more requests in flight,
+and the engine's throughput grows with its batch. It costs twice: on shared cores each half
+computes on a share of them, and a sample k versions old teaches less (`lag_cost.py`).
 
-So an auto run decides in one of two ways:
-- the learner has a device of its own (another GPU, or remote generators): async at once, at
-  `buffer.max_staleness`;
-- the two share compute: it measures both. The first `PROBE_STEPS` steps run synchronously on
-  all the cores and measure a sync step (the learner's compute, the generator's compute, and the
-  time the generator sat idle because everything in flight waited on a reward, tool or
-  environment). `choose` predicts an async step from them and picks the staleness for a trial;
-  the next `TRIAL_STEPS` steps run async (split cores), and `judge` keeps async only if it
-  trained at least `ASYNC_MARGIN` times the samples per second that sync did (the first trial
-  step, while the pipeline fills, is not counted). Otherwise the run goes back to sync.
+Where the learner has a device of its own (another GPU, remote generators), an auto run is
+async from the start. Where the two halves share compute, it decides from what it measures:
+1. **the engine, in seconds** (`EngineCurve`, at start-up): decode throughput at a few batch
+   sizes on every core, and on the generator's share where an async run would split them;
+2. **the first step, run sync** (`StepFigures`): the learner's compute, the generator's compute,
+   the waits on rewards, tools and environments, the engine's batch;
+3. **a prediction for each staleness k in {0, 1, 2, 4}** (up to `buffer.max_staleness`;
+   `Model.step_s`), each weighed by k's steps-to-target ratio r(k); the one with the least
+   predicted time to target (`step x r(k)`) is chosen (`decide`), async only if `MARGIN` times
+   better than sync;
+4. **one async step confirms it** (`Model.confirmed`): the learner's and the generator's
+   measured cost on their shares replace the assumed ones, and the choice is made again on the
+   corrected model; it may fall back to sync there.
+Then it keeps checking: a step `OFF_BY` away from its prediction `OFF_STEPS` times in a row
+(a tool got slower, generations got longer) makes it decide again: from the last sync steps
+if it is sync, after `REMEASURE_STEPS` sync steps if it is async.
 
-The trial is what decides: the prediction cannot see what overlap changes besides the waits.
-Measured on the sandbox environment (bench/RESULTS.md section 16), async kept 4x as many
-requests in flight, and the CPU engine's throughput grows with its batch, so the generator's
-compute per step shrank instead of growing as the model assumes.
+The model of an async step at staleness k, with the shared cores split between the halves
+(the learner trains step n while the generator makes step n+1's groups, up to k + 1 steps'
+worth of groups in flight, whose waits overlap each other and the learner):
 
-The model of an async step (a pipeline: the learner trains step k while the generator makes
-step k+1's groups, with up to `staleness + 1` steps' worth of groups in flight, so their waits
-overlap each other and the learner), with the cores split between the halves:
+    gen(k)   = sync's generator compute x useful share x rate(sync batch) / rate_share(batch x (k+1))
+    async(k) = max(learner x learner share cost, gen(k), (gen(k) + waits) / (k + 1)) + other
 
-    async step = max(learner on its share,  generator compute on its share,
-                     (generator compute on its share + waits) / (staleness + 1))
+where the halves cannot be split (one GPU for both) their compute adds up and only waits hide:
 
-and where they cannot be split (one GPU for both) their compute adds up, and only waits hide:
+    async(k) = max(learner + gen(k), (gen(k) + waits) / (k + 1)) + other
 
-    async step = max(learner + generator compute,  (generator compute + waits) / (staleness + 1))
-
-against the measured sync step (generator compute + waits + learner, one after the other).
-Every decision is one `Choice`, with the figures and a reason in words: the start line, a
-`mode` metrics event and `summary.json` show it.
+"useful share" is the part of sync's generator compute that went to groups it trained: sync
+aborts the groups still generating when a step starts, async keeps them.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import Any
 
-PROBE_STEPS = 2  # sync steps an auto run measures before it decides (the first one includes warm-up)
-TRIAL_STEPS = 3  # then async steps; the first is not counted (the pipeline fills)
-TRIAL_SKIP = 1
-# Split-core costs on a 2-core CPU (bench/RESULTS.md section 7): a learner step on one core took
-# a median 29.2 s against 17.3 s on two (1.7x); the generator lost less (decoding scales
-# sub-linearly with cores: 1.16x to 2x across the measured runs; 1.3 is their middle).
+from .lag_cost import LagCosts
+
+CANDIDATES = (0, 1, 2, 4)  # the staleness values auto weighs (capped by buffer.max_staleness)
+MARGIN = 1.05  # async must be predicted this many times sooner to the target than sync
+OFF_BY = 0.25  # a step this far from its prediction ...
+OFF_STEPS = 3  # ... this many times in a row: decide again
+REMEASURE_STEPS = 2  # an async run that decides again runs sync this long; the last one measures
+# Until a confirming step measures it: a learner step on one of two cores took a median 1.7x
+# its time on both (bench/RESULTS.md section 7).
 LEARNER_SPLIT_SLOWDOWN = 1.7
-GENERATOR_SPLIT_SLOWDOWN = 1.3
-# An async step trains on samples up to `staleness` versions old, so it learns a little less than
-# a sync step: async must be clearly faster before it is kept on shared compute (in bench/RESULTS.md
-# section 3 async made 1.55x the steps of sync on the demo and reached the target no sooner).
-ASYNC_MARGIN = 1.2
+ABORTED_SHARE = 0.5  # a group aborted mid-generation had made about half its tokens
 
 
 class Mode(str, Enum):
@@ -63,48 +63,171 @@ class Mode(str, Enum):
 
 
 @dataclass(frozen=True)
-class SyncStep:
-    """What a synchronous step on shared compute measured (seconds per step)."""
+class StepFigures:
+    """What auto reads of a step row (`orchestrator.rows.step_row`), by name: a renamed key fails
+    here, loudly, instead of reading as zero."""
 
-    step_s: float  # the step's wall-clock (generation, waits, learner, bookkeeping)
+    step_s: float  # the step's wall clock
     learner_s: float  # the learner's compute
     gen_compute_s: float  # the engine's busy time
-    wait_s: float  # the generator's idle time while everything in flight waited (reward, tool, env)
+    wait_s: float  # the generator idle while everything in flight waited (reward, tool, env)
+    engine_batch: float | None  # sequences in flight per engine step (None: not counted)
+    engine_steps: float  # engine steps during the step
+    samples: int  # trained
+    groups: int  # trained
+    samples_pulled: int  # taken from the buffer for the step (flat groups too)
+    aborted_groups: int  # groups aborted mid-generation during the step
 
-    @property
-    def wait_share(self) -> float:
-        return self.wait_s / self.step_s if self.step_s > 0 else 0.0
+    @classmethod
+    def of_row(cls, row: dict[str, Any], aborted_groups: int = 0) -> "StepFigures":
+        waits = row["gen_idle_reward_s"] + row["gen_idle_tool_s"] + row["gen_idle_env_s"]
+        return cls(float(row["step_s"]), float(row["learner_s"]), float(row["gen_compute_s"]), float(waits),
+                   row["engine_running_mean"], float(row["engine_steps"]), int(row["samples"]), int(row["groups"]),
+                   int(row["samples_pulled"]), aborted_groups)
+
+    @classmethod
+    def mean(cls, steps: list["StepFigures"]) -> "StepFigures":
+        n = len(steps)
+        batches = [s.engine_batch for s in steps if s.engine_batch is not None]
+        def mean(name: str) -> float:
+            return sum(getattr(s, name) for s in steps) / n
+
+        return cls(mean("step_s"), mean("learner_s"), mean("gen_compute_s"), mean("wait_s"),
+                   sum(batches) / len(batches) if batches else None, mean("engine_steps"), round(mean("samples")),
+                   round(mean("groups")), round(mean("samples_pulled")), round(mean("aborted_groups")))
 
     @property
     def other_s(self) -> float:
-        """The rest of the step (bookkeeping, the hand-off, starting the next groups): an async
-        step pays it too."""
+        """Bookkeeping, the hand-off, starting the next groups: an async step pays it too."""
         return max(0.0, self.step_s - self.learner_s - self.gen_compute_s - self.wait_s)
 
-    @classmethod
-    def of_rows(cls, rows: list[dict[str, Any]]) -> "SyncStep":
-        """The mean of some step rows (`orchestrator.rows.step_row`)."""
-        n = max(len(rows), 1)
+    @property
+    def useful_share(self) -> float:
+        """The share of the generator's compute that went to groups the step took (the rest
+        went to groups aborted mid-generation)."""
+        if self.groups <= 0 or self.samples <= 0:
+            return 1.0
+        pulled_groups = self.samples_pulled * self.groups / self.samples
+        return pulled_groups / (pulled_groups + ABORTED_SHARE * self.aborted_groups)
 
-        def mean(key: str) -> float:
-            return sum(float(r.get(key) or 0.0) for r in rows) / n
+    @property
+    def engine_rate(self) -> float | None:
+        """Sequence-steps (about tokens) per busy second, from the engine's own counts."""
+        if self.engine_batch is None or self.engine_steps <= 0 or self.gen_compute_s <= 0:
+            return None
+        return self.engine_batch * self.engine_steps / self.gen_compute_s
 
-        waits = mean("gen_idle_reward_s") + mean("gen_idle_tool_s") + mean("gen_idle_env_s")
-        return cls(mean("step_s"), mean("learner_s"), mean("gen_compute_s"), waits)
+
+@dataclass(frozen=True)
+class EngineCurve:
+    """Decode throughput (tokens per busy second) by batch (sequences in flight), on every core
+    and on the generator's share of them (`split`; empty where the run cannot split)."""
+
+    every: tuple[tuple[int, float], ...]
+    split: tuple[tuple[int, float], ...] = ()
+    seconds: float = 0.0
+
+    def rate(self, batch: float, on_share: bool) -> float:
+        """Interpolated in log(batch); flat past the measured batches. A split batch beyond the
+        split points takes the every-core curve times the split's measured ratio."""
+        points = self.split if on_share and self.split else self.every
+        rate = _interpolate(points, batch)
+        if on_share and self.split and batch > self.split[-1][0]:
+            rate = _interpolate(self.every, batch) * self.split[-1][1] / _interpolate(self.every, self.split[-1][0])
+        return rate
+
+    def describe(self) -> str:
+        every = ", ".join(f"{b}: {r:.0f}" for b, r in self.every)
+        split = (f"; on the generator's share: " + ", ".join(f"{b}: {r:.0f}" for b, r in self.split)) if self.split else ""
+        return f"tokens/s by batch {every}{split} ({self.seconds:.1f}s)"
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], batch: float) -> float:
+    if not points:
+        return 1.0
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, r0), (b1, r1) in zip(points, points[1:]):
+        if batch <= b1:
+            t = (math.log(batch) - math.log(b0)) / (math.log(b1) - math.log(b0))
+            return r0 + t * (r1 - r0)
+    return points[-1][1]
+
+
+@dataclass(frozen=True)
+class Model:
+    """A measured sync step and the engine's curve: the predicted step at each staleness."""
+
+    sync: StepFigures
+    split: bool  # an async run would split the shared cores between the halves
+    batch_cap: int  # the most sequences the run keeps in flight (groups_in_flight x samples per group)
+    curve: EngineCurve | None = None
+    learner_share_cost: float = LEARNER_SPLIT_SLOWDOWN  # learner step on its share / on every core
+    gen_correction: float = 1.0  # measured async generator compute / predicted (a confirming step)
+
+    def async_batch(self, staleness: int) -> float | None:
+        if self.sync.engine_batch is None:
+            return None
+        return min(self.batch_cap, self.sync.engine_batch * (staleness + 1))
+
+    def gen_s(self, staleness: int) -> float:
+        """The generator's compute per async step at `staleness`."""
+        compute = self.sync.gen_compute_s * self.sync.useful_share * self.gen_correction
+        batch = self.async_batch(staleness)
+        if self.curve is None or batch is None or self.sync.engine_batch is None:
+            return compute
+        return compute * self.curve.rate(self.sync.engine_batch, False) / self.curve.rate(batch, self.split)
+
+    def step_s(self, staleness: int) -> float:
+        sync = self.sync
+        if staleness == 0:
+            return sync.step_s
+        gen = self.gen_s(staleness)
+        overlap = (gen + sync.wait_s) / (staleness + 1)
+        if not self.split:
+            return max(sync.learner_s + gen, overlap) + sync.other_s
+        return max(sync.learner_s * self.learner_share_cost, gen, overlap) + sync.other_s
+
+    def confirmed(self, step: StepFigures, staleness: int) -> "Model":
+        """The model corrected by an async step at `staleness`: the learner's measured cost on its
+        share, and the engine's measured rate at the async batch against sync's (from the
+        engine's own counts, so a step that is still filling its pipeline reads right)."""
+        share_cost = max(1.0, step.learner_s / self.sync.learner_s) if self.split and self.sync.learner_s > 0 else 1.0
+        correction = self.gen_correction
+        sync_rate, async_rate, batch = self.sync.engine_rate, step.engine_rate, self.async_batch(staleness)
+        if sync_rate and async_rate and self.sync.engine_batch is not None and batch is not None:
+            assumed = (self.curve.rate(self.sync.engine_batch, False) / self.curve.rate(batch, self.split)
+                       if self.curve is not None else 1.0)
+            correction = (sync_rate / async_rate) / assumed
+        return replace(self, learner_share_cost=share_cost if self.split else 1.0, gen_correction=correction)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    staleness: int
+    step_s: float
+    lag_cost: float
+
+    @property
+    def to_target(self) -> float:
+        """Relative time to the target: steps (by the lag's ratio) times step time."""
+        return self.step_s * self.lag_cost
 
 
 @dataclass(frozen=True)
 class Choice:
     """A run's mode: sync, or async at `staleness` (with the shared cores split between the two
-    halves when `split`); `reason` says why in words."""
+    halves when `split`); `kind` says how it came about, `reason` why, in words."""
 
     mode: Mode
     staleness: int
     split: bool
     reason: str
-    measured: SyncStep | None = None
-    predicted_async_s: float | None = None
+    kind: str = "pinned"  # pinned | measured | confirmed | reverted | re-measure | re-decided | resumed
     decided_at_step: int = 0
+    predicted_step_s: float | None = None  # what the steps in this mode should take (the monitor's mark)
+    predictions: tuple[Prediction, ...] = ()
+    sync: StepFigures | None = None
 
     @property
     def synchronous(self) -> bool:
@@ -119,48 +242,56 @@ class Choice:
     def figures(self) -> dict[str, Any]:
         """For `summary.json` and the `mode` metrics event: flat `mode_*` keys."""
         out: dict[str, Any] = {"mode": self.mode.value, "mode_staleness": self.staleness, "mode_split": self.split,
-                               "mode_reason": self.reason, "mode_decided_at_step": self.decided_at_step}
-        if self.measured is not None:
-            out.update({f"mode_sync_{k}": round(v, 3) for k, v in asdict(self.measured).items()})
-        if self.predicted_async_s is not None:
-            out["mode_predicted_async_step_s"] = round(self.predicted_async_s, 3)
+                               "mode_reason": self.reason, "mode_kind": self.kind,
+                               "mode_decided_at_step": self.decided_at_step}
+        if self.predicted_step_s is not None:
+            out["mode_predicted_step_s"] = round(self.predicted_step_s, 3)
+        for p in self.predictions:
+            out[f"mode_k{p.staleness}_step_s"] = round(p.step_s, 3)
+            out[f"mode_k{p.staleness}_lag_cost"] = p.lag_cost
+        if self.sync is not None:
+            out.update({f"mode_sync_{k}": round(v, 3) for k, v in asdict(self.sync).items()
+                        if isinstance(v, (int, float))})
         return out
 
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["mode"] = self.mode.value
+        return data
 
-def async_step_s(step: SyncStep, staleness: int, split: bool) -> float:
-    """The predicted async step (the module docstring's model). `split`: each half computes on
-    its own share of the cores; otherwise both compute on one device (one GPU, or cores that
-    cannot be re-pinned), so their compute adds up and only the waits overlap."""
-    if not split:
-        return max(step.learner_s + step.gen_compute_s,
-                   (step.gen_compute_s + step.wait_s) / (staleness + 1)) + step.other_s
-    learner = step.learner_s * LEARNER_SPLIT_SLOWDOWN
-    generator = step.gen_compute_s * GENERATOR_SPLIT_SLOWDOWN
-    return max(learner, generator, (generator + step.wait_s) / (staleness + 1)) + step.other_s
-
-
-def best_staleness(step: SyncStep, max_staleness: int, split: bool) -> tuple[int, float]:
-    """The smallest staleness (1..max_staleness) whose predicted async step is the shortest, and that step."""
-    options = [(async_step_s(step, s, split), s) for s in range(1, max_staleness + 1)]
-    best = min(t for t, _ in options)
-    return next((s, t) for t, s in options if t <= best * 1.001)
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Choice":
+        return cls(**{**data, "mode": Mode(data["mode"]),
+                      "predictions": tuple(Prediction(**p) for p in data.get("predictions", ())),
+                      "sync": StepFigures(**data["sync"]) if data.get("sync") else None})
 
 
-def choose(step: SyncStep, max_staleness: int, split: bool, at_step: int = 0) -> Choice:
-    """Sync or async from a measured sync step on shared compute. Async takes the smallest
-    staleness (at most `max_staleness`) that reaches its best predicted step, and only if that
-    step is at least `ASYNC_MARGIN` times shorter than the sync step measured."""
-    waits = f"waits {100 * step.wait_share:.0f}% of a sync step ({step.step_s:.1f}s)"
-    if max_staleness < 1:
-        return Choice(Mode.SYNC, 0, False, "buffer.max_staleness = 0", step, None, at_step)
-    staleness, predicted = best_staleness(step, max_staleness, split)
-    if predicted * ASYNC_MARGIN <= step.step_s:
-        return Choice(Mode.ASYNC, staleness, split,
-                      f"{waits}; predicted async step {predicted:.1f}s, {step.step_s / predicted:.2f}x shorter",
-                      step, predicted, at_step)
-    return Choice(Mode.SYNC, 0, False,
-                  f"{waits}; predicted async step {predicted:.1f}s is not {ASYNC_MARGIN:g}x shorter than sync's "
-                  f"{step.step_s:.1f}", step, predicted, at_step)
+def candidates(max_staleness: int) -> list[int]:
+    return sorted({k for k in (*CANDIDATES, max_staleness) if k <= max_staleness})
+
+
+def predict(model: Model, lags: list[int], costs: LagCosts) -> tuple[Prediction, ...]:
+    return tuple(Prediction(k, model.step_s(k), costs.at(k)) for k in lags)
+
+
+def decide(model: Model, lags: list[int], costs: LagCosts, kind: str, at_step: int) -> Choice:
+    """The staleness with the least predicted time to the target; async only if it beats sync's
+    by `MARGIN`."""
+    predictions = predict(model, lags, costs)
+    sync = next(p for p in predictions if p.staleness == 0)
+    best = min(predictions, key=lambda p: (p.to_target, p.staleness))
+    waits = f"sync step {model.sync.step_s:.1f}s, waits {100 * model.sync.wait_s / max(model.sync.step_s, 1e-9):.0f}%"
+    table = ", ".join(f"k{p.staleness} {p.step_s:.1f}s x{p.lag_cost:.2f}" for p in predictions if p.staleness)
+    if best.staleness > 0 and best.to_target * MARGIN <= sync.to_target:
+        return Choice(Mode.ASYNC, best.staleness, model.split,
+                      f"{waits}; predicted {table}: k{best.staleness} reaches the target "
+                      f"{sync.to_target / best.to_target:.2f}x sooner", kind, at_step, best.step_s, predictions,
+                      model.sync)
+    runner_up = min((p for p in predictions if p.staleness), key=lambda p: p.to_target, default=None)
+    why = (f"no staleness is predicted {MARGIN:g}x sooner to the target (best k{runner_up.staleness}: "
+           f"{sync.to_target / runner_up.to_target:.2f}x)") if runner_up else "buffer.max_staleness = 0"
+    return Choice(Mode.SYNC, 0, False, f"{waits}; predicted {table}; {why}" if table else why, kind, at_step,
+                  sync.step_s, predictions, model.sync)
 
 
 def initial_choice(mode: str, max_staleness: int, shared: bool, split: bool) -> Choice | None:
@@ -177,35 +308,5 @@ def initial_choice(mode: str, max_staleness: int, shared: bool, split: bool) -> 
     return None
 
 
-def probing(max_staleness: int) -> str:
-    """What an auto run on shared compute says before it has decided."""
-    return (f"auto: the first {PROBE_STEPS} steps run sync on shared compute, the next {TRIAL_STEPS} async (at "
-            f"max_staleness <= {max_staleness}); then it keeps the one that trained more samples per second")
-
-
-def trained_rate(rows: list[dict[str, Any]]) -> float:
-    """Samples trained per second over some step rows (flat groups skipped count as time spent)."""
-    seconds = sum(float(r.get("step_s") or 0.0) for r in rows)
-    return sum(int(r.get("samples") or 0) for r in rows) / seconds if seconds > 0 else 0.0
-
-
-def trial(step: SyncStep, max_staleness: int, split: bool, at_step: int = 0) -> Choice:
-    """The async trial after the sync probe: at the staleness `choose` would take (at least 1)."""
-    staleness, predicted = best_staleness(step, max_staleness, split)
-    waits = f"waits {100 * step.wait_share:.0f}% of a sync step ({step.step_s:.1f}s)"
-    return Choice(Mode.ASYNC, staleness, split, f"trial of {TRIAL_STEPS} async steps; {waits}", step, predicted,
-                  at_step)
-
-
-def judge(sync_rows: list[dict[str, Any]], async_rows: list[dict[str, Any]], tried: Choice,
-          at_step: int) -> Choice:
-    """Keep the trial's async if it trained `ASYNC_MARGIN` times sync's samples per second."""
-    sync_rate, async_rate = trained_rate(sync_rows), trained_rate(async_rows)
-    ratio = async_rate / sync_rate if sync_rate > 0 else float("inf") if async_rate > 0 else 0.0
-    measured = (f"async trained {async_rate:.2f} samples/s against sync's {sync_rate:.2f} ({ratio:.2f}x); "
-                f"sync's step waited {100 * tried.measured.wait_share:.0f}%" if tried.measured else "")
-    if ratio >= ASYNC_MARGIN:
-        return Choice(Mode.ASYNC, tried.staleness, tried.split, measured, tried.measured, tried.predicted_async_s,
-                      at_step)
-    return Choice(Mode.SYNC, 0, False, f"{measured}: not {ASYNC_MARGIN:g}x", tried.measured,
-                  tried.predicted_async_s, at_step)
+def off_prediction(predicted: float | None, measured: float) -> bool:
+    return predicted is not None and predicted > 0 and abs(measured / predicted - 1.0) > OFF_BY

@@ -236,13 +236,14 @@ class FakeLearner:
         self.trained.append(Trained(adapter, state.version, [s.policy_lag for s in samples],
                                     [s.version for s in samples], self.generator.in_flight(adapter), samples))
         split = len(os.sched_getaffinity(0)) < os.cpu_count()  # type: ignore[operator]
-        time.sleep(self.pinned_step_s if split and self.pinned_step_s is not None else self.step_s)
+        seconds = self.pinned_step_s if split and self.pinned_step_s is not None else self.step_s
+        time.sleep(seconds)
         state.version += 1
         state.weight += 1
         tokens = sum(s.trained_tokens for s in samples)
         loss_stats = LossStats(tokens=tokens, clipped=round(self.dropped_frac * tokens))
         return StepStats(adapter, state.version, True, False, 0.0, 0.0, len(samples), tokens, 0, 1, loss_stats,
-                         self.step_s)
+                         seconds)
 
     def snapshot_logprobs(self, version: AdapterVersion, samples: list[TrainSample]) -> list[list[float]]:
         return [list(s.logprobs) for s in samples]

@@ -1,59 +1,116 @@
-"""Sync or async (`buffer.mode`): the choice from measured figures, and an auto run on fakes that
-turns async where its rewards wait and stays sync where nothing waits."""
+"""Sync or async (`buffer.mode`): the model's choice from measured figures, weighed by lag's cost
+in steps; and auto runs on fakes that decide after one sync step, confirm with one async step,
+go back where the confirmation disagrees, decide again when steps drift from the prediction,
+and resume in their chosen mode without measuring again."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from lora_async import lag_cost
 from lora_async.config import ConfigError, TrainConfig, load_config
 from lora_async.metrics import read_metrics
-from lora_async.mode import PROBE_STEPS, TRIAL_STEPS, Mode, SyncStep, async_step_s, choose, initial_choice, judge, trial
+from lora_async.mode import (Choice, EngineCurve, Mode, Model, StepFigures, candidates, decide, initial_choice,
+                             off_prediction)
 from lora_async.orchestrator import train
 
 from .fakes import FakeParts
 
-SLOW_REWARD = """
-import asyncio
+M2PO = lag_cost.builtin("m2po")
 
-async def reward(prompt, completion, answer):
-    await asyncio.sleep(1.0)  # a sandbox or a judge: the generator has nothing to do meanwhile
-    return float(completion.startswith("x"))
-"""
+
+def sync_step(step_s: float, learner_s: float, gen_s: float, wait_s: float, batch: float | None = 16.0,
+              aborted: int = 0) -> StepFigures:
+    return StepFigures(step_s=step_s, learner_s=learner_s, gen_compute_s=gen_s, wait_s=wait_s, engine_batch=batch,
+                       engine_steps=100.0, samples=32, groups=4, samples_pulled=32, aborted_groups=aborted)
+
+
+FLAT = EngineCurve(((1, 100.0), (128, 100.0)), ((32, 60.0), (128, 60.0)))  # no gain from batching
+BATCHING = EngineCurve(((1, 30.0), (8, 100.0), (32, 200.0), (128, 300.0)), ((32, 140.0), (128, 220.0)))
+
+
+def model(step: StepFigures, curve: EngineCurve | None = FLAT, split: bool = True) -> Model:
+    return Model(step, split, batch_cap=128, curve=curve)
 
 
 # ---------------------------------------------------------------- the choice from figures
 
 
-def test_nothing_waits_on_shared_cores_stays_sync():
-    # the demo on 2 cores: generation 74% of a 9.5 s step, the learner 25%, no waits
-    demo = SyncStep(step_s=9.5, learner_s=2.4, gen_compute_s=7.0, wait_s=0.0)
-    choice = choose(demo, max_staleness=4, split=True)
-    assert choice.mode is Mode.SYNC and choice.staleness == 0
-    assert "waits 0%" in choice.reason and choice.predicted_async_s is not None
+def test_nothing_waits_and_no_batching_gain_stays_sync():
+    # the demo's shape on 2 cores: generation 74% of the step, the learner 25%, no waits; the engine
+    # gains nothing from a bigger batch and loses 40% on its share of the cores
+    demo = sync_step(9.5, 2.4, 7.0, 0.0)
+    choice = decide(model(demo), [0, 1, 2, 4], M2PO, "measured", 1)
+    assert choice.mode is Mode.SYNC and choice.staleness == 0 and choice.kind == "measured"
+    assert choice.predicted_step_s == pytest.approx(9.5)
+    assert "waits 0%" in choice.reason and "k1" in choice.reason
 
 
-def test_waiting_generator_turns_async_at_the_smallest_staleness_that_helps():
-    # tool waits are 71% of a sync step
-    tools = SyncStep(step_s=70.0, learner_s=15.0, gen_compute_s=5.0, wait_s=50.0)
-    choice = choose(tools, max_staleness=4, split=True)
-    assert choice.mode is Mode.ASYNC and choice.split
-    # staleness 1 leaves the generator the long pole ((6.5 + 50) / 2 > 25.5); 2 reaches the learner's bound
-    assert async_step_s(tools, 1, True) > async_step_s(tools, 2, True) == pytest.approx(15.0 * 1.7)
-    assert choice.staleness == 2
-    assert "waits 71%" in choice.reason
-    # capped by max_staleness
-    assert choose(tools, max_staleness=1, split=True).staleness == 1
+def test_batching_makes_async_worth_it_where_nothing_waits():
+    # the same step, but the engine's throughput grows with its batch (as vLLM's does on a CPU):
+    # async keeps (k + 1) steps' worth of sequences in flight
+    demo = sync_step(9.5, 2.4, 7.0, 0.0)
+    choice = decide(model(demo, BATCHING), [0, 1, 2, 4], M2PO, "measured", 1)
+    assert choice.mode is Mode.ASYNC and choice.staleness >= 1 and choice.split
+    assert choice.predicted_step_s is not None and choice.predicted_step_s < 9.5 / 1.05
+    assert model(demo, BATCHING).gen_s(1) < model(demo, FLAT).gen_s(1)
 
 
-def test_the_margin_keeps_sync_when_async_is_barely_faster():
-    close = SyncStep(step_s=10.0, learner_s=5.0, gen_compute_s=4.5, wait_s=0.5)
-    assert 10.0 / 1.2 < async_step_s(close, 1, True) < 10.0
-    assert choose(close, max_staleness=2, split=True).mode is Mode.SYNC
+def test_waits_turn_async_and_lag_cost_picks_the_staleness():
+    # tool waits are 83% of a sync step: more staleness hides more of them
+    tools = sync_step(60.0, 3.0, 5.0, 50.0)
+    m = model(tools)
+    assert m.step_s(1) > m.step_s(2) > m.step_s(4)
+    cheap = lag_cost.LagCosts("cheap", {0: 1.0, 2: 1.05, 4: 1.1}, "test")
+    dear = lag_cost.LagCosts("dear", {0: 1.0, 2: 1.05, 4: 2.0}, "test")
+    assert decide(m, [0, 1, 2, 4], cheap, "measured", 1).staleness == 4
+    # where lag 4 costs twice the steps, its shorter step does not pay: k = 2
+    assert decide(m, [0, 1, 2, 4], dear, "measured", 1).staleness == 2
+    # capped by buffer.max_staleness
+    assert decide(m, candidates(1), cheap, "measured", 1).staleness == 1
+
+
+def test_aborted_groups_are_work_async_does_not_redo():
+    # sync aborted 4 groups mid-generation (half done) beside the 4 it took: a third of its compute
+    wasteful = sync_step(10.0, 2.0, 8.0, 0.0, aborted=4)
+    assert wasteful.useful_share == pytest.approx(4 / 6)
+    assert model(wasteful).gen_s(1) == pytest.approx(model(replace(wasteful, aborted_groups=0)).gen_s(1) * 4 / 6)
+
+
+def test_a_confirming_step_corrects_the_learners_cost_and_the_engines_rate():
+    step = sync_step(10.0, 2.0, 6.0, 2.0)
+    m = model(step, BATCHING)
+    # measured on its share: the learner took 3x (not the assumed 1.7x); the engine ran its
+    # batch at half the rate the curve promised
+    assumed = BATCHING.rate(16, False) / BATCHING.rate(32, True)
+    async_rate = step.engine_rate / assumed / 2  # type: ignore[operator]
+    measured = replace(step, learner_s=6.0, engine_batch=32.0,
+                       gen_compute_s=32.0 * 100.0 / async_rate)
+    fixed = m.confirmed(measured, 1)
+    assert fixed.learner_share_cost == pytest.approx(3.0)
+    assert fixed.gen_correction == pytest.approx(2.0)
+    assert fixed.step_s(1) > m.step_s(1)
+
+
+def test_candidates_and_the_monitors_rule():
+    assert candidates(4) == [0, 1, 2, 4]
+    assert candidates(1) == [0, 1]
+    assert candidates(3) == [0, 1, 2, 3]
+    assert candidates(8) == [0, 1, 2, 4, 8]
+    assert not off_prediction(10.0, 12.4) and off_prediction(10.0, 12.6) and off_prediction(10.0, 7.4)
+    assert not off_prediction(None, 100.0)
+
+
+def test_a_choice_survives_json():
+    choice = decide(model(sync_step(70.0, 15.0, 5.0, 50.0)), [0, 1, 2, 4], M2PO, "measured", 3)
+    again = Choice.from_json(json.loads(json.dumps(choice.to_json())))
+    assert again == choice
 
 
 def test_pinned_and_own_device_choices_need_no_measurement():
@@ -75,76 +132,147 @@ def test_async_without_staleness_is_a_one_line_config_error(tmp_path):
 
 # ---------------------------------------------------------------- auto runs on fakes
 
+SWITCHED_REWARD = """
+import asyncio, os
 
-def config(tmp_path: Path, reward: str, reward_workers: int = 8, **buffer) -> TrainConfig:
+async def reward(prompt, completion, answer):
+    # a sandbox or a judge: the generator has nothing to do meanwhile. SLOW_AFTER names a file
+    # whose existence makes every call wait; DELAY_S is the wait (0 before the file appears)
+    if os.path.exists(os.environ["SLOW_AFTER"]):
+        await asyncio.sleep(float(os.environ["DELAY_S"]))
+    return float(completion.startswith("x"))
+"""
+
+
+def config(tmp_path: Path, reward: str, reward_workers: int = 64, **buffer) -> TrainConfig:
     data = tmp_path / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": f"item {i}", "answer": "-"}) for i in range(80)))
+    data.write_text("\n".join(json.dumps({"prompt": f"item {i}", "answer": "-"}) for i in range(200)))
     return TrainConfig.model_validate({
         "sampling": {"samples_per_prompt": 4, "max_new_tokens": 8},
         "generator": {"groups_in_flight": 8},
         "learner": {"groups_per_step": 2},
         "buffer": {"max_staleness": 2, **buffer},
-        "run": {"max_steps": 10, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 0,
+        "run": {"max_steps": 8, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 0,
                 "chart_every": 0},
         "task": {"type": "jsonl", "path": str(data), "reward": reward, "heldout": 4,
                  "reward_workers": reward_workers},
     })
 
 
-def run(cfg: TrainConfig, parts: FakeParts) -> tuple[dict, list[dict], list[dict]]:
-    summary = asyncio.run(train(cfg, console=Console(stderr=True, width=200), parts=parts))
-    rows = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")
-    return summary, [r for r in rows if "kind" not in r], [r for r in rows if r.get("kind") == "mode"]
-
-
-def test_auto_tries_async_and_keeps_it_when_rewards_wait(tmp_path, monkeypatch):
-    (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
+def slow_reward(tmp_path: Path, monkeypatch, delay_s: float, from_start: bool = True) -> Path:
+    """The switched reward, waiting `delay_s` once the returned flag file exists."""
+    (tmp_path / "switched_reward.py").write_text(SWITCHED_REWARD)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    # an async reward waits without using a core, and every completion in flight waits at once:
-    # sync has one step's 8 completions waiting, async up to (1 + staleness) steps' worth, so the
-    # trial's gain comes from overlap, not from how busy the machine running the test is
-    cfg = config(tmp_path, "slow_reward:reward", reward_workers=64)
+    flag = tmp_path / "slow"
+    monkeypatch.setenv("SLOW_AFTER", str(flag))
+    monkeypatch.setenv("DELAY_S", str(delay_s))
+    if from_start:
+        flag.touch()
+    return flag
+
+
+def run(cfg: TrainConfig, parts: FakeParts, resume: bool = False,
+        on_step=None) -> tuple[dict, list[dict], list[dict], list[dict]]:
+    summary = asyncio.run(train(cfg, resume=resume, console=Console(stderr=True, width=200), parts=parts,
+                                on_step=on_step))
+    rows = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")
+    return (summary, [r for r in rows if "kind" not in r], [r for r in rows if r.get("kind") == "mode"],
+            [r for r in rows if r.get("kind") == "calibrate"])
+
+
+def test_auto_decides_after_one_sync_step_and_one_async_step_confirms(tmp_path, monkeypatch):
+    # an async reward waits without using a core, and every completion in flight waits at once
+    slow_reward(tmp_path, monkeypatch, delay_s=1.0)
+    cfg = config(tmp_path, "switched_reward:reward")
     parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=0.17)
-    summary, steps, events = run(cfg, parts)
-    decided = PROBE_STEPS + TRIAL_STEPS
-    assert summary["mode"] == "async" and summary["mode_decided_at_step"] == decided
-    assert summary["mode_staleness"] >= 1 and "samples/s" in summary["mode_reason"]
+    summary, steps, events, calibrations = run(cfg, parts)
+    assert len(calibrations) == 1 and calibrations[0]["seconds"] >= 0
+    decisions = [(e["mode_kind"], e["step"], e["mode"]) for e in events]
+    assert decisions[:2] == [("measured", 1, "async"), ("confirmed", 2, "async")]
+    # async stays: waits overlap more than the model assumes, so steps may beat the prediction
+    # (the mark then moves to what they take), never fall behind it
+    assert all(kind == "kept" and mode == "async" for kind, _, mode in decisions[2:])
+    assert summary["mode"] == "async" and summary["mode_staleness"] >= 1
     assert summary["mode_sync_wait_s"] > summary["mode_sync_learner_s"]
-    assert [(e["mode"], e["trial"]) for e in events] == [("async", True), ("async", False)]
-    # the probe steps trained on-policy; from the trial on, generation ran ahead of the learner
+    assert [d["mode_kind"] for d in summary["mode_decisions"]] == [kind for kind, _, _ in decisions]
+    # one step on-policy; from the second on, generation ran ahead of the learner
     lags = [r["policy_lag_max"] for r in steps]
-    assert lags[:PROBE_STEPS] == [0] * PROBE_STEPS
-    assert max(lags[PROBE_STEPS:]) >= 1
+    assert lags[0] == 0 and max(lags[1:]) >= 1
 
 
-def test_auto_goes_back_to_sync_when_the_split_costs_more_than_overlap_gains(tmp_path):
-    # nothing waits, and the learner on its share of the cores takes 3x as long
-    cfg = config(tmp_path, "regex:^x")
-    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=0.3)
-    summary, steps, events = run(cfg, parts)
-    decided = PROBE_STEPS + TRIAL_STEPS
-    assert summary["mode"] == "sync" and "not 1.2x" in summary["mode_reason"]
-    assert [(e["mode"], e["trial"]) for e in events] == [("async", True), ("sync", False)]
-    # after the decision: on-policy again, and the learner back on every core (not pinned: 0.1 s steps)
-    assert all(r["policy_lag_max"] == 0 for r in steps[decided + 1:])
-    assert all(r["learner_s"] < 0.25 for r in steps[decided + 1:])
+def test_a_confirming_step_that_disagrees_goes_back_to_sync(tmp_path, monkeypatch):
+    # waits make async look good on the assumed split cost; measured, the learner on its share
+    # of the cores takes 15x as long, and the next step is sync again
+    slow_reward(tmp_path, monkeypatch, delay_s=0.3)
+    cfg = config(tmp_path, "switched_reward:reward")
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=1.5)
+    summary, steps, events, _ = run(cfg, parts)
+    decisions = [(e["mode_kind"], e["mode"], e["step"]) for e in events]
+    assert decisions[:2] == [("measured", "async", 1), ("reverted", "sync", 2)]
+    # a later check may decide again from the sync steps it sees; it keeps what was measured
+    assert all(kind == "re-decided" and mode == "sync" for kind, mode, _ in decisions[2:])
+    assert summary["mode"] == "sync"
+    # after the decision: on-policy again, and the learner back on every core (0.1 s steps)
+    assert all(r["policy_lag_max"] == 0 for r in steps[3:])
+    assert all(r["learner_s"] < 1.0 for r in steps[3:])
 
 
-def test_the_trial_is_judged_on_samples_trained_per_second():
-    step = SyncStep(step_s=30.0, learner_s=5.0, gen_compute_s=24.0, wait_s=0.3)
-    tried = trial(step, max_staleness=3, split=True)
-    assert tried.mode is Mode.ASYNC and tried.staleness >= 1
-    sync_rows = [{"samples": 8, "step_s": 30.0}] * 2
-    faster = [{"samples": 8, "step_s": 12.0}, {"samples": 0, "step_s": 8.0}]  # 8 samples in 20 s vs 16 in 60 s
-    assert judge(sync_rows, faster, tried, 5).mode is Mode.ASYNC
-    slower = [{"samples": 8, "step_s": 28.0}] * 2
-    kept = judge(sync_rows, slower, tried, 5)
-    assert kept.mode is Mode.SYNC and kept.staleness == 0 and "not 1.2x" in kept.reason
+def test_nothing_waits_and_the_split_costs_stays_sync_with_no_async_step(tmp_path, monkeypatch):
+    slow_reward(tmp_path, monkeypatch, delay_s=0.0, from_start=False)
+    cfg = config(tmp_path, "switched_reward:reward")
+    summary, steps, events, _ = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=0.3))
+    assert [(e["mode_kind"], e["mode"], e["step"]) for e in events] == [("measured", "sync", 1)]
+    assert all(r["policy_lag_max"] == 0 for r in steps)
 
 
-def test_pinned_async_says_so_from_the_start(tmp_path):
-    cfg = config(tmp_path, "regex:^x", mode="async")
-    summary, steps, events = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1))
+def test_steps_that_drift_from_the_prediction_make_auto_decide_again(tmp_path, monkeypatch):
+    # the first steps wait on nothing (sync); from step 3 every reward call waits 1 s, so sync
+    # steps take several times the predicted time, and after 3 of them auto decides again
+    flag = slow_reward(tmp_path, monkeypatch, delay_s=1.0, from_start=False)
+    cfg = config(tmp_path, "switched_reward:reward")
+    cfg.run.max_steps = 10
+
+    def at_step(run_state) -> None:
+        if run_state.global_step == 2:
+            flag.touch()
+
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=0.17)
+    summary, steps, events, _ = run(cfg, parts, on_step=at_step)
+    kinds = [(e["mode_kind"], e["mode"]) for e in events]
+    assert kinds[:2] == [("measured", "sync"), ("re-decided", "async")]
+    redecided = events[1]
+    assert "3 steps took" in redecided["mode_reason"]
+    # three slow sync steps (3, 4, 5) and then the decision, not later
+    assert redecided["step"] == 5
+    assert max(r["policy_lag_max"] for r in steps[5:]) >= 1
+
+
+def test_a_resumed_auto_run_keeps_its_choice_and_does_not_measure_again(tmp_path, monkeypatch):
+    slow_reward(tmp_path, monkeypatch, delay_s=1.0)
+    cfg = config(tmp_path, "switched_reward:reward")
+    cfg.run.max_steps, cfg.run.checkpoint_every = 4, 2
+    first, _, events, calibrations = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1,
+                                                        pinned_step_s=0.17))
+    assert first["mode"] == "async" and len(calibrations) == 1 and len(events) == 2
+    cfg.run.max_steps = 8
+    summary, steps, events, calibrations = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1,
+                                                              pinned_step_s=0.17), resume=True)
+    assert len(calibrations) == 1  # the first session's only: the resumed one did not calibrate
+    resumed = [e for e in events if e["step"] >= 4]
+    assert (resumed[0]["mode_kind"], resumed[0]["mode"], resumed[0]["step"]) == ("resumed", "async", 4)
+    assert all(e["mode_kind"] == "kept" for e in resumed[1:])  # only ever faster than predicted
+    assert resumed[0]["mode_staleness"] == first["mode_staleness"]
+    assert [d["mode_kind"] for d in summary["mode_decisions"]][:3] == ["measured", "confirmed", "resumed"]
+    # no sync step after the resume: generation runs ahead from its first step on
+    after = [r for r in steps if r["step"] > 4]
+    assert len(after) == 4 and max(r["policy_lag_max"] for r in after) >= 1
+
+
+def test_pinned_async_says_so_from_the_start(tmp_path, monkeypatch):
+    slow_reward(tmp_path, monkeypatch, delay_s=0.0, from_start=False)
+    cfg = config(tmp_path, "switched_reward:reward", mode="async")
+    summary, steps, events, calibrations = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1))
     assert summary["mode"] == "async" and summary["mode_reason"] == "pinned by buffer.mode"
-    assert summary["mode_decided_at_step"] == 0 and events == []
+    assert summary["mode_decided_at_step"] == 0 and events == [] and calibrations == []
+    assert [d["mode_kind"] for d in summary["mode_decisions"]] == ["pinned"]

@@ -5,6 +5,8 @@ task that takes real training, several seeds per system, every clock read the sa
 
 Systems (`--runs`, each run once per seed, one after another on this machine):
 
+    auto             `lora-async train CONFIG` with the defaults: buffer.mode = "auto"
+                     (max_staleness 4) and loss.type = "m2po" (`make bench-peers`)
     async            `lora-async train CONFIG`, buffer.mode = "async", max_staleness = 1
     sync             the same with buffer.mode = "sync"
     trl              TRL `GRPOTrainer` + a peft LoRA of the same shape (trl_child.py)
@@ -52,6 +54,8 @@ REPO = HERE.parents[1]
 # system name -> ("lora-async" | "trl", config overrides[, GRPOConfig overrides]). The ablations
 # change one thing each against `async` (or `trl`).
 VARIANTS = MappingProxyType({
+    # the defaults: auto mode (it picks sync or async and the staleness) and the m2po loss
+    "auto": ("lora-async", ("buffer.mode=\"auto\"", "buffer.max_staleness=4", 'loss.type="m2po"')),
     "async": ("lora-async", ("buffer.mode=\"async\"", "buffer.max_staleness=1",)),
     "sync": ("lora-async", ("buffer.mode=\"sync\"", "buffer.max_staleness=0",)),
     "trl": ("trl", ()),

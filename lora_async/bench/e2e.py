@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from ..config import TrainConfig
 from .common import finished
+from ..metrics import decisions_line
 from .proc import SPLIT_SHARES, last_error, run_logged, summarize_run
 
 # name -> (buffer.mode, partial_rollouts)
@@ -134,10 +135,27 @@ def run_figures(run_dir: Path, budget: float, target: float) -> dict[str, Any]:
     figures["mode"] = summary.get("mode")
     figures["mode_reason"] = summary.get("mode_reason")
     figures["mode_staleness"] = summary.get("mode_staleness")
+    decisions = summary.get("mode_decisions") or []
+    figures["mode_decisions"] = decisions_line(decisions)
+    figures["steps_in_left_modes"] = steps_in_left_modes(decisions)
     wait = figures.get("learner_wait_share")
     figures["learner_idle_share"] = wait
     figures["run_dir"] = str(run_dir)
     return figures
+
+
+def steps_in_left_modes(decisions: list[dict[str, Any]]) -> int | None:
+    """The most steps an auto run spent in a mode it then left (sync or async at some staleness;
+    the sync steps before its first decision count). None for a pinned run."""
+    if not decisions or decisions[0].get("mode_kind") == "pinned":
+        return None
+    spans, mode, since = [], ("sync", 0), 0
+    for d in decisions:
+        new = (d["mode"], d["mode_staleness"])
+        if new != mode:
+            spans.append(d["mode_decided_at_step"] - since)
+            mode, since = new, d["mode_decided_at_step"]
+    return max(spans, default=0)
 
 
 def medians(per_seed: list[dict[str, Any]]) -> dict[str, Any]:

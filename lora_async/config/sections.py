@@ -144,16 +144,21 @@ class LearnerConfig(Section):
 
 class BufferConfig(Section):
     mode: Literal["auto", "async", "sync"] = Field(
-        "auto", description="'auto': the first steps run synchronously and measure where the time goes, then the "
-                            "run stays sync or turns async (see lora_async/mode.py); 'async' or 'sync' pins it.",
+        "auto", description="'auto': it calibrates the engine, measures one sync step, predicts each staleness's time "
+                            "to target and confirms async with one step, then keeps checking (lora_async/mode.py); "
+                            "'async' or 'sync' pins it.",
     )
     max_tokens: int = Field(
         262_144, ge=64, le=1_000_000_000, description="Token bound of the rollout buffer."
     )
     max_staleness: int = Field(
-        1, ge=0, le=64,
-        description="Max versions a sample may lag the learner in async training (auto chooses up to this; "
-                    "0 = synchronous training whatever the mode).",
+        4, ge=0, le=64,
+        description="Max versions a sample may lag the learner in async training (auto chooses among 0, 1, 2, 4 "
+                    "up to this; 0 = synchronous training whatever the mode).",
+    )
+    lag_costs: str | None = Field(
+        None, description="Auto: a `lora-async bench staleness` report whose steps-to-target by lag weigh each "
+                          "staleness (None: the built-in table, lora_async/lag_cost.py).",
     )
     stale_policy: Literal["drop", "is-correct"] = Field(
         "drop", description="What happens to a group with a sample that finished on a version older than max_staleness "

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
+from .. import lag_cost
 from .backends import (DEFAULT_SYNC, ENGINE_HOME_TEXT, EngineSettings, GeneratorConfig, RayConfig, SyncBase, SyncConfig,
                        VllmGeneratorConfig)
 from .losses import DEFAULT_LOSS, LossConfig, default_loss
@@ -102,6 +103,11 @@ class TrainConfig(Section):
         if buffer.mode == "async" and buffer.max_staleness == 0:
             raise ValueError("buffer.mode: 'async' needs buffer.max_staleness >= 1 (the lag async trains at); "
                              "raise max_staleness, or set mode = 'sync'")
+        if buffer.lag_costs is not None:
+            try:
+                lag_cost.load(buffer.lag_costs, self.loss.type)
+            except lag_cost.LagCostError as exc:
+                raise ValueError(str(exc)) from None
         lag = buffer.fixed_lag
         if lag is None:
             return

@@ -191,7 +191,8 @@ class VllmGenerator:
                 if self._engine.busy():
                     began = time.perf_counter()
                     reports = self._engine.step()
-                    self.stats.engine_busy(time.perf_counter() - began, steps=1, running=len(self._pending))
+                    self.stats.engine_busy(time.perf_counter() - began, steps=1,
+                                           running=sum(p.request.n for p in self._pending.values()))
                     for request_id, samples, finished in reports:
                         self._progress(request_id, samples, finished)
         except BaseException as exc:

@@ -174,7 +174,7 @@ class GeneratorStats:
         self.tokens = 0
         self.busy_s = 0.0  # time the engine spent generating
         self.steps = 0.0  # engine steps (an in-process engine, or replicas' averaged)
-        self.running = 0.0  # requests in flight, summed over engine steps (mean batch = running / steps)
+        self.running = 0.0  # sequences in flight, summed over engine steps (mean batch = running / steps)
         self.rejected_versions = 0
 
     def request_started(self) -> None:

@@ -1,5 +1,16 @@
-"""The run's mode in force: set at the start (`start_mode`), or by an auto run once it has
-measured its first steps (`observe`), and applied in one place (`apply_choice`).
+"""The run's mode in force: set at the start (`start_mode`), decided by an auto run from what it
+measures (`calibrate`, then `observe` on every step row), and applied in one place
+(`apply_choice`). The model and the decision rules are `lora_async/mode.py`.
+
+An auto run on shared compute goes through phases (`Auto.phase`):
+- MEASURE: sync steps; the last of `Auto.measure_steps` is the measurement, and `decide` picks;
+- CONFIRM: the first async step after a choice of async; `Model.confirmed` corrects the model
+  with what that step measured, and the choice is made again (it may go back to sync);
+- WATCH: every step against the prediction; `OFF_STEPS` in a row more than `OFF_BY` away and
+  it decides again (in sync from the last steps; in async after `REMEASURE_STEPS` sync steps).
+
+The decisions and the model behind them go into every checkpoint (`Auto.to_json`); a resumed
+run starts in the chosen mode and only watches.
 
 The staleness window in force is `Run.window`: the buffer, every adapter's admission and the
 learner step's abort all read it, and only `apply_choice` changes it. The engine was sized at
@@ -12,52 +23,174 @@ have been placed from the start.
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..mode import PROBE_STEPS, TRIAL_SKIP, TRIAL_STEPS, Choice, SyncStep, initial_choice, judge, probing, trial
+from .. import lag_cost
+from ..generator.types import GenRequest, GenStatus
+from ..mode import (OFF_STEPS, REMEASURE_STEPS, Choice, EngineCurve, Mode, Model, StepFigures, candidates, decide,
+                    initial_choice, off_prediction)
 from ..placement import Placement, available_cpus, pin_current_thread, shares_compute, split_placements
 from ..staleness import StalenessWindow
+from .auto_state import CONFIRM, MEASURE, WATCH, Auto
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
     from .state import Run
 
+CALIBRATION_TOKENS = 4  # decoded per sequence at each batch size (the first step is the prompt's)
+CALIBRATION_BATCHES = (1, 8, 32, 128)  # capped by the sequences the run may keep in flight
+CALIBRATION_TIMEOUT_S = 120.0  # per batch: a CPU engine decodes 4 x 128 tokens in 2 s
 
-def start_mode(config: "TrainConfig") -> tuple[Choice | None, str]:
-    """The choice at the start (None: auto measures first) and the start line's words for it."""
+
+def start_mode(config: "TrainConfig", resumed: dict[str, Any] | None = None) -> tuple[Choice | None, Auto | None, str]:
+    """The choice at the start (None: auto measures first), the auto state (None: the mode is
+    settled), and the start line's words for it. `resumed`: the checkpoint's auto state."""
     buffer = config.buffer
-    choice = initial_choice(buffer.mode, buffer.max_staleness, shares_compute(config),
-                            split=split_placements(config) is not None)
-    return choice, (choice.describe() if choice is not None else probing(buffer.max_staleness))
+    split = split_placements(config) is not None
+    choice = initial_choice(buffer.mode, buffer.max_staleness, shares_compute(config), split=split)
+    if choice is not None:
+        return choice, None, choice.describe()
+    costs = lag_cost.load(buffer.lag_costs, config.loss.type)
+    lags = candidates(buffer.max_staleness)
+    sequences = max(spec.sampling.samples_per_prompt for spec in config.adapter_specs)
+    auto = Auto(costs, lags, split, config.generator.groups_in_flight * sequences)
+    if resumed and resumed.get("decisions"):
+        auto.restore(resumed)
+        last = Choice.from_json(resumed["decisions"][-1]["choice"])
+        if last.staleness <= buffer.max_staleness:
+            resumed_choice = Choice(last.mode, last.staleness, last.split and split,
+                                    f"resumed: {last.reason}", "resumed", last.decided_at_step,
+                                    last.predicted_step_s, last.predictions, last.sync)
+            return resumed_choice, auto, resumed_choice.describe()
+        auto = Auto(costs, lags, split, auto.batch_cap)  # the window shrank: measure again
+    return None, auto, (f"auto: engine calibration, then 1 sync step measures; it predicts a step at staleness "
+                        f"{', '.join(map(str, lags))} weighed by lag's cost in steps ({costs.describe(lags)}), "
+                        f"and 1 async step confirms")
 
 
 def start_window(choice: Choice | None) -> StalenessWindow:
     return StalenessWindow(0 if choice is None else choice.staleness)
 
 
+async def begin(run: "Run") -> None:
+    """Before training: a resumed auto run puts its choice back in force; one that has not
+    decided calibrates the engine."""
+    if run.auto is not None:
+        run.auto.aborted_seen = sum(a.counters.aborted_stale for a in run.adapters.values())
+    if run.choice is not None and run.choice.kind == "resumed":
+        await apply_choice(run, run.choice)
+    else:
+        await calibrate(run)
+
+
+async def calibrate(run: "Run") -> None:
+    """An auto run that has not decided: the engine's decode throughput at a few batch sizes, on
+    every core and (where async would split them) on the generator's share. Seconds, before
+    training's clock starts."""
+    auto = run.auto
+    if auto is None or auto.curve is not None or run.choice is not None:
+        return
+    adapter = next(iter(run.adapters.values()))
+    prompt = await adapter.source.probe_prompt(run.tokenizer) or list(run.tokenizer("Count to ten:")["input_ids"])
+    batches = sorted({min(b, auto.batch_cap) for b in CALIBRATION_BATCHES})
+    began = time.perf_counter()
+
+    async def rate(batch: int) -> float:
+        stats = run.generator.stats
+        busy = stats.busy_s
+        request = GenRequest(prompt, adapter.name, n=batch, max_tokens=CALIBRATION_TOKENS,
+                             min_tokens=CALIBRATION_TOKENS, seed=run.config.run.seed, tag="calibrate")
+        result = await asyncio.wait_for(run.generate(request), CALIBRATION_TIMEOUT_S)
+        if result.status is not GenStatus.OK:
+            raise RuntimeError(f"{result.status.value}: {result.error}")
+        tokens = sum(len(s.token_ids) for s in result.samples)
+        return tokens / max(stats.busy_s - busy, 1e-6)
+
+    split: tuple[tuple[int, float], ...] = ()
+    placements = split_placements(run.config)
+    every_core = Placement("cpu", frozenset(available_cpus()))
+    try:
+        await rate(1)  # warm-up
+        every = tuple([(b, round(await rate(b), 2)) for b in batches])
+        if auto.split and placements is not None:
+            await asyncio.to_thread(run.generator.with_receiver, lambda _: pin_current_thread(placements[0]))
+            split = tuple([(b, round(await rate(b), 2)) for b in batches[-2:]])
+    except (asyncio.TimeoutError, RuntimeError) as exc:  # the model then assumes no gain from batching
+        run.console.print(f"[yellow]auto: the engine's calibration failed ({exc or 'timed out'}); predicting "
+                          "without its batch curve[/]")
+        every, split = (), ()
+    finally:
+        if auto.split and placements is not None:
+            await asyncio.to_thread(run.generator.with_receiver, lambda _: pin_current_thread(every_core))
+    auto.curve = EngineCurve(every, split, round(time.perf_counter() - began, 2))
+    run.console.print(f"auto: engine {auto.curve.describe()}", highlight=False)
+    run.metrics.event({"kind": "calibrate", **{f"engine_b{b}_tok_s": r for b, r in every},
+                       **{f"engine_share_b{b}_tok_s": r for b, r in split}, "seconds": auto.curve.seconds})
+
+
 async def observe(run: "Run", row: dict[str, Any]) -> None:
-    """An auto run's step rows: `PROBE_STEPS` sync ones, then an async trial of `TRIAL_STEPS`;
-    then it keeps the faster (`mode.judge`) and is decided."""
-    if run.choice is not None and not run.trying:
+    """Every step row of an auto run: measure, confirm or watch (the module docstring)."""
+    auto = run.auto
+    if auto is None:
         return
-    if run.choice is None:  # measuring sync
-        run.probe_rows.append(row)
-        if len(run.probe_rows) == PROBE_STEPS:
-            split = split_placements(run.config) is not None
-            run.trying = True
-            await apply_choice(run, trial(SyncStep.of_rows(run.probe_rows), run.config.buffer.max_staleness, split,
-                                          at_step=run.global_step))
+    aborted = sum(a.counters.aborted_stale for a in run.adapters.values())
+    step = StepFigures.of_row(row, aborted - auto.aborted_seen)
+    auto.aborted_seen = aborted
+    auto.recent = (auto.recent + [step])[-OFF_STEPS:]
+    at = run.global_step
+    if auto.phase == MEASURE:
+        auto.measured += 1
+        if auto.measured >= auto.measure_steps:
+            auto.model = auto.measure(step)
+            kind = "measured" if not auto.decisions else "re-decided"
+            await settle(run, decide(auto.model, auto.lags, auto.costs, kind, at), confirm=True)
         return
-    run.trial_rows.append(row)
-    if len(run.trial_rows) == TRIAL_STEPS:
-        run.trying = False
-        await apply_choice(run, judge(run.probe_rows, run.trial_rows[TRIAL_SKIP:], run.choice,
-                                      at_step=run.global_step))
+    assert run.choice is not None and auto.model is not None
+    if auto.phase == CONFIRM:
+        auto.model = auto.model.confirmed(step, run.choice.staleness)
+        choice = decide(auto.model, auto.lags, auto.costs, "confirmed", at)
+        if choice.synchronous:
+            choice = Choice(Mode.SYNC, 0, False, f"async step measured: {choice.reason}", "reverted", at,
+                            choice.predicted_step_s, choice.predictions, choice.sync)
+        await settle(run, choice, confirm=False)
+        return
+    auto.off_streak = auto.off_streak + 1 if off_prediction(run.choice.predicted_step_s, step.step_s) else 0
+    if auto.off_streak < OFF_STEPS:
+        return
+    auto.off_streak = 0
+    predicted = run.choice.predicted_step_s or 0.0
+    measured = sum(s.step_s for s in auto.recent) / len(auto.recent)
+    why = f"{OFF_STEPS} steps took {measured:.1f}s against the predicted {predicted:.1f}s"
+    if run.choice.synchronous:  # the last sync steps are a measurement
+        auto.model = auto.measure(StepFigures.mean(auto.recent))
+        await settle(run, decide(auto.model, auto.lags, auto.costs, "re-decided", at), confirm=True, why=why)
+        return
+    if measured < predicted:  # async beats its own prediction: sync would not do better; the mark moves
+        await apply_choice(run, replace(run.choice, kind="kept", decided_at_step=at, predicted_step_s=measured,
+                                        reason=f"{why}: faster than predicted, async kept"))
+        return
+    auto.phase, auto.measure_steps, auto.measured = MEASURE, REMEASURE_STEPS, 0
+    await apply_choice(run, Choice(Mode.SYNC, 0, False, f"{why}: {REMEASURE_STEPS} sync steps to measure again",
+                                   "re-measure", at))
+
+
+async def settle(run: "Run", choice: Choice, confirm: bool, why: str = "") -> None:
+    """Put a decision in force; an async one made from sync steps is confirmed by the next step."""
+    auto = run.auto
+    assert auto is not None
+    if why:
+        choice = Choice(choice.mode, choice.staleness, choice.split, f"{why}; {choice.reason}", choice.kind,
+                        choice.decided_at_step, choice.predicted_step_s, choice.predictions, choice.sync)
+    auto.phase = CONFIRM if confirm and not choice.synchronous else WATCH
+    await apply_choice(run, choice)
 
 
 async def apply_choice(run: "Run", choice: Choice) -> None:
     """Put `choice` in force: the window everywhere, the cores re-pinned if it splits them; then
-    say so (console, a `mode` metrics event) and wake the producers."""
+    say so (console, a `mode` metrics event, the auto run's decisions) and wake the producers."""
+    repin = run.choice is None or run.choice.split != choice.split or choice.kind == "resumed"
     run.choice = choice
     window = StalenessWindow(choice.staleness)
     run.window = window
@@ -65,11 +198,16 @@ async def apply_choice(run: "Run", choice: Choice) -> None:
     for adapter in run.adapters.values():
         adapter.admission.window = window
     placements = split_placements(run.config)
-    if placements is not None:  # split for async; back to every core for sync
+    if placements is not None and repin:  # split for async; back to every core for sync
         every = Placement("cpu", frozenset(available_cpus()))  # this (event loop) thread is never pinned
         generator, learner = placements if choice.split else (every, every)
         await run.in_learner(pin_current_thread, learner)
         await asyncio.to_thread(run.generator.with_receiver, lambda _: pin_current_thread(generator))
-    run.console.print(f"mode: {choice.describe()}", highlight=False)
-    run.metrics.event({"kind": "mode", "wall_s": round(run.wall_s, 3), "trial": run.trying, **choice.figures()})
+    run.console.print(f"mode ({choice.kind}, step {choice.decided_at_step}): {choice.describe()}", highlight=False)
+    figures = choice.figures()
+    run.metrics.event({"kind": "mode", "step": run.global_step, "wall_s": round(run.wall_s, 3), **figures})
+    if run.auto is not None:
+        run.auto.off_streak = 0
+        run.auto.decisions.append({"step": run.global_step, "wall_s": round(run.wall_s, 3), **figures,
+                                   "choice": choice.to_json()})
     await run.notify()

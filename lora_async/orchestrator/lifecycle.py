@@ -20,7 +20,7 @@ from rich.console import Console
 
 from ..adapters import AdapterStore
 from ..buffer import RolloutBuffer
-from ..checkpoint import RunState, latest_checkpoint, load_checkpoint
+from ..checkpoint import RunState, checkpoint_auto, latest_checkpoint, load_checkpoint
 from ..config import TrainConfig, dump_config
 from ..generator.types import Generator
 from ..learner.api import LearnerAPI
@@ -146,7 +146,7 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
     if parts is None:
         parts = await asyncio.to_thread(LocalParts, config, console, out_dir)
     console.print(parts.describe())
-    choice, mode_line = start_mode(config)
+    choice, auto, mode_line = start_mode(config, checkpoint_auto(checkpoint_path) if checkpoint_path else None)
     console.print(f"mode: {mode_line}", highlight=False)
     window = start_window(choice)
     board = TimeBoard()  # the run's: each adapter's waits report to it
@@ -183,7 +183,7 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
               generator=generator, transport=transport, learner=learner, learner_pool=pool,
               buffer=RolloutBuffer(config.buffer.max_tokens, window, config.buffer.stale_policy),
               store=AdapterStore(out_dir), metrics=MetricsWriter(out_dir, list(adapters), config.run, console),
-              window=window, choice=choice, board=board)
+              window=window, choice=choice, auto=auto, board=board)
     if state is not None:
         restore(run, state)
     for adapter in adapters.values():

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from ..buffer import Group
 from ..config import TrainConfig
-from .auto import observe
+from .auto import begin, observe
 from .batches import start_collectors
 from .lifecycle import Parts, StopSwitch, finish_run, install_stop_signals, setup_run, stop_workers
 from .periodic import after_step, evaluate_all, save_snapshot
@@ -65,6 +65,7 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
         await publish_initial(run)
         if config.run.eval_at_start:
             await evaluate_all(run, "start")
+        await begin(run)  # auto: the engine's curve (or a resumed run's choice back in force)
         ready: asyncio.Queue[tuple[AdapterRun, list[Group]]] = asyncio.Queue()
         run.began = run.marks()
         run.learner_clock.start()
@@ -119,7 +120,7 @@ async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None
     ended = run.marks(adapter)  # this step's row ends where the next one's begins
     row = step_row(run, adapter, groups, stats, ended)
     warn_dropped(run, adapter, row)
-    await observe(run, row)  # an auto run's first steps measure, then it picks sync or async
+    await observe(run, row)  # auto: measure, confirm, or check the step against the prediction
     adapter.last_reward = row["reward_mean"]
     adapter.marks = ended
     if version is not None and snapshot_due(run, adapter):

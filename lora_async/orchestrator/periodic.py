@@ -32,7 +32,8 @@ async def checkpoint(run: Run) -> None:
                          return_exceptions=True)
     state = RunState(step=run.global_step, steps={n: a.step for n, a in run.adapters.items()},
                      next_problem={n: a.next_problem for n, a in run.adapters.items()}, wall_s=run.wall_s,
-                     counters={n: a.counters.as_dict() for n, a in run.adapters.items()})
+                     counters={n: a.counters.as_dict() for n, a in run.adapters.items()},
+                     auto=run.auto.to_json() if run.auto is not None else None)
     await run.in_learner(save_checkpoint, run.out_dir, state, run.learner)
     for adapter in run.adapters.values():
         await save_adapter(run, adapter, final=False)

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 from ..buffer import Group
 from ..lag_figures import run_averages
 from ..metrics import read_metrics
-from ..mode import PROBE_STEPS
 from ..timing import call_figures
 from .state import AdapterRun, Run, StepMarks
 
@@ -47,7 +46,8 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         # each reward function's mean over the completions it scored (`reward/<name>`)
         **{f"reward/{name}": statistics.fmean(values) for name, values in adapter.pulled_parts.items() if values},
         "batch_reward_mean": statistics.fmean(batch_rewards) if batch_rewards else 0.0,
-        "samples": len(samples), "groups": len(groups), "flat_groups_trained": sum(not g.informative for g in groups),
+        "samples": len(samples), "samples_pulled": len(adapter.pulled_rewards) or len(samples),
+        "groups": len(groups), "flat_groups_trained": sum(not g.informative for g in groups),
         "tokens_generated": counters.tokens_generated - marks.tokens,
         "tokens_generated_total": sum(a.counters.tokens_generated for a in run.adapters.values()),
         "tokens_trained": stats.tokens_trained, "padded_tokens": stats.padded_tokens,
@@ -68,6 +68,7 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         **{key: round(value, 6) for key, value in call_figures(adapter.waits.take()).items()},
         "gen_idle_frac": max(0.0, 1.0 - gen_busy / elapsed),
         "engine_running_mean": engine_running_mean(run, marks),
+        "engine_steps": run.generator.stats.steps - marks.engine_steps,
         "learner_idle_frac": max(0.0, 1.0 - stats.seconds / elapsed),
         "logprob_mismatch": ls.logprob_mismatch, "logprob_mismatch_onpolicy": ls.onpolicy_mismatch,
         "skipped_nonfinite": counters.skipped_nonfinite,
@@ -104,7 +105,7 @@ def time_totals(run: Run) -> dict[str, float]:
 
 
 def engine_running_mean(run: Run, marks: StepMarks) -> float | None:
-    """Requests in flight per engine step since the step began (None where not counted)."""
+    """Sequences in flight per engine step since the step began (None where not counted)."""
     stats = run.generator.stats
     steps = stats.steps - marks.engine_steps
     return (stats.running - marks.engine_running) / steps if steps else None
@@ -163,7 +164,11 @@ def run_summary(run: Run) -> dict[str, Any]:
     summary.update(run.generator.stats.replica_figures())
     summary.update(time_totals(run))
     summary.update(run.choice.figures() if run.choice is not None else
-                   {"mode": "sync", "mode_reason": f"auto: the run ended before it had measured {PROBE_STEPS} steps"})
+                   {"mode": "sync", "mode_reason": "auto: the run ended before it had measured a step"})
+    # every decision of the run (resumed sessions' too): what it chose, when, from what, and why
+    summary["mode_decisions"] = ([{k: v for k, v in d.items() if k != "choice"} for d in run.auto.decisions]
+                                 if run.auto is not None else
+                                 [run.choice.figures()] if run.choice is not None else [])
     if run.error is not None:
         summary["error"] = str(run.error)
     return summary

@@ -31,6 +31,7 @@ from ..rollout import RolloutSource
 from ..staleness import StalenessWindow
 from ..timing import IdleSplit, LearnerClock, TimeBoard, Waits
 from .admission import Admission
+from .auto_state import Auto
 
 if TYPE_CHECKING:
     from ..adapters import AdapterStore
@@ -148,9 +149,7 @@ class Run:
     metrics: "MetricsWriter"
     window: StalenessWindow  # the staleness window in force (`auto.apply_choice` changes it)
     choice: Choice | None = None  # sync or async, and why (None: an auto run still measuring)
-    probe_rows: list[dict[str, Any]] = field(default_factory=list)  # ... the sync step rows it measured
-    trying: bool = False  # an auto run's async trial is on (`choice` is the trial)
-    trial_rows: list[dict[str, Any]] = field(default_factory=list)  # ... and its step rows
+    auto: Auto | None = None  # an auto run on shared compute: what it measured, where it is in deciding
     global_step: int = 0
     wall_offset: float = 0.0
     started: float = field(default_factory=time.perf_counter)

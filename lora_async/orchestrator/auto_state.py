@@ -1,0 +1,61 @@
+"""An auto run's state (`orchestrator/auto.py` drives it): the engine's curve, the model behind
+the choice in force, where it is in deciding, and every decision so far. All of it goes into
+the checkpoint (`to_json`), so a resumed run neither calibrates nor measures again."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ..lag_cost import LagCosts
+from ..mode import EngineCurve, Model, StepFigures
+
+MEASURE, CONFIRM, WATCH = "measure", "confirm", "watch"
+
+
+@dataclass
+class Auto:
+    """An auto run's measurements and where it is in deciding."""
+
+    costs: LagCosts
+    lags: list[int]
+    split: bool
+    batch_cap: int
+    curve: EngineCurve | None = None
+    model: Model | None = None
+    phase: str = MEASURE
+    measure_steps: int = 1  # sync steps to run before deciding; the last one is measured
+    measured: int = 0
+    recent: list[StepFigures] = field(default_factory=list)  # the last OFF_STEPS steps
+    off_streak: int = 0
+    aborted_seen: int = 0  # the adapters' aborted-group counters at the last row
+    decisions: list[dict[str, Any]] = field(default_factory=list)  # every choice's figures (summary.json)
+
+    def measure(self, sync: StepFigures) -> Model:
+        """A model from a new sync measurement; what a confirming step measured (the learner's
+        cost on its share, the engine's rate) carries over."""
+        if self.model is None:
+            return Model(sync, self.split, self.batch_cap, self.curve)
+        return replace(self.model, sync=sync)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"phase": self.phase, "curve": asdict(self.curve) if self.curve else None,
+                "model": _model_json(self.model), "decisions": self.decisions}
+
+    def restore(self, data: dict[str, Any]) -> None:
+        curve = data.get("curve")
+        self.curve = EngineCurve(tuple((int(b), float(r)) for b, r in curve["every"]),
+                                 tuple((int(b), float(r)) for b, r in curve["split"]), curve["seconds"]) if curve else None
+        model = data.get("model")
+        if model is not None:
+            self.model = Model(**{**model, "sync": StepFigures(**model["sync"]), "curve": self.curve})
+        self.phase = WATCH if data.get("phase") != MEASURE else MEASURE
+        self.decisions = list(data.get("decisions", []))
+
+
+def _model_json(model: Model | None) -> dict[str, Any] | None:
+    if model is None:
+        return None
+    data = asdict(model)
+    data.pop("curve")
+    return data
