@@ -88,3 +88,20 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state != "Z"
+
+
+def test_the_steps_auto_spent_in_a_mode_it_left():
+    def decision(kind: str, step: int, mode: str, staleness: int = 0) -> dict:
+        return {"mode_kind": kind, "mode_decided_at_step": step, "mode": mode, "mode_staleness": staleness}
+
+    # 1 sync step, then async at 2, confirmed (no change), kept; later 2 sync steps re-measuring
+    decisions = [decision("measured", 1, "async", 2), decision("confirmed", 2, "async", 2),
+                 decision("kept", 9, "async", 2), decision("re-measure", 14, "sync"),
+                 decision("re-decided", 16, "async", 2)]
+    # spans its deciding left: sync 0-1 (1) and sync 14-16 (2); async 1-14 was right until its steps
+    # drifted from the prediction (re-measure), and does not count
+    assert e2e.steps_in_left_modes(decisions) == 2
+    assert e2e.steps_in_left_modes(decisions[:3]) == 1
+    # a confirming step that goes back to sync: 1 async step in a mode it left
+    assert e2e.steps_in_left_modes([decision("measured", 1, "async", 1), decision("reverted", 2, "sync")]) == 1
+    assert e2e.steps_in_left_modes([decision("pinned", 0, "sync")]) is None

@@ -145,15 +145,19 @@ def run_figures(run_dir: Path, budget: float, target: float) -> dict[str, Any]:
 
 
 def steps_in_left_modes(decisions: list[dict[str, Any]]) -> int | None:
-    """The most steps an auto run spent in a mode it then left (sync or async at some staleness;
-    the sync steps before its first decision count). None for a pinned run."""
+    """What deciding cost an auto run: the most steps it spent in a mode that its deciding then
+    left (the sync steps it measured before choosing async, an async step whose confirmation went
+    back to sync, sync steps that measured again). A mode left because its steps drifted from the
+    prediction (`re-measure`) was the right one until then and does not count. None for a pinned
+    run."""
     if not decisions or decisions[0].get("mode_kind") == "pinned":
         return None
     spans, mode, since = [], ("sync", 0), 0
     for d in decisions:
         new = (d["mode"], d["mode_staleness"])
         if new != mode:
-            spans.append(d["mode_decided_at_step"] - since)
+            if d["mode_kind"] != "re-measure":
+                spans.append(d["mode_decided_at_step"] - since)
             mode, since = new, d["mode_decided_at_step"]
     return max(spans, default=0)
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ..config import TrainConfig
     from .state import Run
 
+CALIBRATION_PROMPT_TOKENS = 8
 CALIBRATION_TOKENS = 4  # decoded per sequence at each batch size (the first step is the prompt's)
 CALIBRATION_BATCHES = (1, 8, 32, 128)  # capped by the sequences the run may keep in flight
 CALIBRATION_TIMEOUT_S = 120.0  # per batch: a CPU engine decodes 4 x 128 tokens in 2 s
@@ -93,7 +94,10 @@ async def calibrate(run: "Run") -> None:
     if auto is None or auto.curve is not None or run.choice is not None:
         return
     adapter = next(iter(run.adapters.values()))
-    prompt = await adapter.source.probe_prompt(run.tokenizer) or list(run.tokenizer("Count to ten:")["input_ids"])
+    # a few tokens of a task prompt: the curve is about decoding, and a long prompt's prefill
+    # (one per sequence) would cost more than the decoding measured
+    prompt = (await adapter.source.probe_prompt(run.tokenizer) or list(run.tokenizer("Count to ten:")["input_ids"]))
+    prompt = prompt[:CALIBRATION_PROMPT_TOKENS]
     batches = sorted({min(b, auto.batch_cap) for b in CALIBRATION_BATCHES})
     began = time.perf_counter()
 
