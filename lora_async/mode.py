@@ -15,9 +15,12 @@ async from the start. Where the two halves share compute, it decides from what i
    `Model.step_s`), each weighed by k's steps-to-target ratio r(k); the one with the least
    predicted time to target (`step x r(k)`) is chosen (`decide`), async only if `MARGIN` times
    better than sync;
-4. **one async step confirms it** (`Model.confirmed`): the learner's and the generator's
-   measured cost on their shares replace the assumed ones, and the choice is made again on the
-   corrected model; it may fall back to sync there.
+4. **one async step confirms it** (`Model.confirmed`), the one after the step that fills the
+   pipeline and re-pins the threads (whose learner step runs once at a new thread count, and
+   measured 1.6x a steady one): the learner's cost per token and the engine's rate on their
+   shares replace the assumed ones, and the choice is made again on the corrected model. It
+   falls back to sync there only if sync is then predicted sooner (no margin: staying costs
+   nothing, switching back a step).
 Then it keeps checking: a step `OFF_BY` away from its prediction `OFF_STEPS` times in a row
 (a tool got slower, generations got longer) makes it decide again: from the last sync steps
 if it is sync, after `REMEASURE_STEPS` sync steps if it is async.
@@ -77,13 +80,14 @@ class StepFigures:
     groups: int  # trained
     samples_pulled: int  # taken from the buffer for the step (flat groups too)
     aborted_groups: int  # groups aborted mid-generation during the step
+    learner_tokens: int = 0  # the tokens the learner computed on (trained and padding)
 
     @classmethod
     def of_row(cls, row: dict[str, Any], aborted_groups: int = 0) -> "StepFigures":
         waits = row["gen_idle_reward_s"] + row["gen_idle_tool_s"] + row["gen_idle_env_s"]
         return cls(float(row["step_s"]), float(row["learner_s"]), float(row["gen_compute_s"]), float(waits),
                    row["engine_running_mean"], float(row["engine_steps"]), int(row["samples"]), int(row["groups"]),
-                   int(row["samples_pulled"]), aborted_groups)
+                   int(row["samples_pulled"]), aborted_groups, int(row["tokens_trained"]) + int(row["padded_tokens"]))
 
     @classmethod
     def mean(cls, steps: list["StepFigures"]) -> "StepFigures":
@@ -94,7 +98,8 @@ class StepFigures:
 
         return cls(mean("step_s"), mean("learner_s"), mean("gen_compute_s"), mean("wait_s"),
                    sum(batches) / len(batches) if batches else None, mean("engine_steps"), round(mean("samples")),
-                   round(mean("groups")), round(mean("samples_pulled")), round(mean("aborted_groups")))
+                   round(mean("groups")), round(mean("samples_pulled")), round(mean("aborted_groups")),
+                   round(mean("learner_tokens")))
 
     @property
     def other_s(self) -> float:
@@ -192,7 +197,7 @@ class Model:
         """The model corrected by an async step at `staleness`: the learner's measured cost on its
         share, and the engine's measured rate at the async batch against sync's (from the
         engine's own counts, so a step that is still filling its pipeline reads right)."""
-        share_cost = max(1.0, step.learner_s / self.sync.learner_s) if self.split and self.sync.learner_s > 0 else 1.0
+        share_cost = max(1.0, _per_token(step) / _per_token(self.sync)) if self.split and self.sync.learner_s > 0 else 1.0
         correction = self.gen_correction
         sync_rate, async_rate, batch = self.sync.engine_rate, step.engine_rate, self.async_batch(staleness)
         if sync_rate and async_rate and self.sync.engine_batch is not None and batch is not None:
@@ -200,6 +205,12 @@ class Model:
                        if self.curve is not None else 1.0)
             correction = (sync_rate / async_rate) / assumed
         return replace(self, learner_share_cost=share_cost if self.split else 1.0, gen_correction=correction)
+
+
+def _per_token(step: StepFigures) -> float:
+    """The learner's seconds per token it computed on (per step where tokens are not counted):
+    steps differ in length, so their times compare only per token."""
+    return step.learner_s / step.learner_tokens if step.learner_tokens > 0 else step.learner_s
 
 
 @dataclass(frozen=True)
@@ -274,21 +285,21 @@ def predict(model: Model, lags: list[int], costs: LagCosts) -> tuple[Prediction,
     return tuple(Prediction(k, model.step_s(k), costs.at(k)) for k in lags)
 
 
-def decide(model: Model, lags: list[int], costs: LagCosts, kind: str, at_step: int) -> Choice:
+def decide(model: Model, lags: list[int], costs: LagCosts, kind: str, at_step: int, margin: float = MARGIN) -> Choice:
     """The staleness with the least predicted time to the target; async only if it beats sync's
-    by `MARGIN`."""
+    by `margin` (`MARGIN` to turn async; 1 to stay async, where switching back costs a step)."""
     predictions = predict(model, lags, costs)
     sync = next(p for p in predictions if p.staleness == 0)
     best = min(predictions, key=lambda p: (p.to_target, p.staleness))
     waits = f"sync step {model.sync.step_s:.1f}s, waits {100 * model.sync.wait_s / max(model.sync.step_s, 1e-9):.0f}%"
     table = ", ".join(f"k{p.staleness} {p.step_s:.1f}s x{p.lag_cost:.2f}" for p in predictions if p.staleness)
-    if best.staleness > 0 and best.to_target * MARGIN <= sync.to_target:
+    if best.staleness > 0 and best.to_target * margin <= sync.to_target:
         return Choice(Mode.ASYNC, best.staleness, model.split,
                       f"{waits}; predicted {table}: k{best.staleness} reaches the target "
                       f"{sync.to_target / best.to_target:.2f}x sooner", kind, at_step, best.step_s, predictions,
                       model.sync)
     runner_up = min((p for p in predictions if p.staleness), key=lambda p: p.to_target, default=None)
-    why = (f"no staleness is predicted {MARGIN:g}x sooner to the target (best k{runner_up.staleness}: "
+    why = (f"no staleness is predicted {margin:g}x sooner to the target (best k{runner_up.staleness}: "
            f"{sync.to_target / runner_up.to_target:.2f}x)") if runner_up else "buffer.max_staleness = 0"
     return Choice(Mode.SYNC, 0, False, f"{waits}; predicted {table}; {why}" if table else why, kind, at_step,
                   sync.step_s, predictions, model.sync)

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from lora_async import lag_cost
 from lora_async.config import ConfigError, TrainConfig, load_config
+from lora_async.generator.types import GenResult, GenStatus
 from lora_async.metrics import read_metrics
 from lora_async.mode import (Choice, EngineCurve, Mode, Model, StepFigures, candidates, decide, initial_choice,
                              off_prediction)
@@ -96,6 +97,11 @@ def test_a_confirming_step_corrects_the_learners_cost_and_the_engines_rate():
     assert fixed.learner_share_cost == pytest.approx(3.0)
     assert fixed.gen_correction == pytest.approx(2.0)
     assert fixed.step_s(1) > m.step_s(1)
+    # steps differ in length: the learner's cost compares per token it computed on
+    counted = model(replace(step, learner_tokens=1000), BATCHING)
+    longer = replace(measured, learner_s=4.0, learner_tokens=2000)  # twice the time for twice the tokens
+    assert counted.confirmed(longer, 1).learner_share_cost == pytest.approx(1.0)
+    assert counted.confirmed(replace(longer, learner_s=6.0), 1).learner_share_cost == pytest.approx(1.5)
 
 
 def test_candidates_and_the_monitors_rule():
@@ -189,7 +195,8 @@ def test_auto_decides_after_one_sync_step_and_one_async_step_confirms(tmp_path, 
     summary, steps, events, calibrations = run(cfg, parts)
     assert len(calibrations) == 1 and calibrations[0]["seconds"] >= 0
     decisions = [(e["mode_kind"], e["step"], e["mode"]) for e in events]
-    assert decisions[:2] == [("measured", 1, "async"), ("confirmed", 2, "async")]
+    # step 2 fills the pipeline; step 3 confirms
+    assert decisions[:2] == [("measured", 1, "async"), ("confirmed", 3, "async")]
     # async stays: waits overlap more than the model assumes, so steps may beat the prediction
     # (the mark then moves to what they take), never fall behind it
     assert all(kind == "kept" and mode == "async" for kind, _, mode in decisions[2:])
@@ -209,13 +216,13 @@ def test_a_confirming_step_that_disagrees_goes_back_to_sync(tmp_path, monkeypatc
     parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=1.5)
     summary, steps, events, _ = run(cfg, parts)
     decisions = [(e["mode_kind"], e["mode"], e["step"]) for e in events]
-    assert decisions[:2] == [("measured", "async", 1), ("reverted", "sync", 2)]
+    assert decisions[:2] == [("measured", "async", 1), ("reverted", "sync", 3)]
     # a later check may decide again from the sync steps it sees; it keeps what was measured
     assert all(kind == "re-decided" and mode == "sync" for kind, mode, _ in decisions[2:])
     assert summary["mode"] == "sync"
     # after the decision: on-policy again, and the learner back on every core (0.1 s steps)
-    assert all(r["policy_lag_max"] == 0 for r in steps[3:])
-    assert all(r["learner_s"] < 1.0 for r in steps[3:])
+    assert all(r["policy_lag_max"] == 0 for r in steps[4:])
+    assert all(r["learner_s"] < 1.0 for r in steps[4:])
 
 
 def test_nothing_waits_and_the_split_costs_stays_sync_with_no_async_step(tmp_path, monkeypatch):
@@ -276,3 +283,27 @@ def test_pinned_async_says_so_from_the_start(tmp_path, monkeypatch):
     assert summary["mode"] == "async" and summary["mode_reason"] == "pinned by buffer.mode"
     assert summary["mode_decided_at_step"] == 0 and events == [] and calibrations == []
     assert [d["mode_kind"] for d in summary["mode_decisions"]] == ["pinned"]
+
+
+def test_a_calibration_the_engine_refuses_is_said_once_and_auto_still_decides(tmp_path, monkeypatch):
+    slow_reward(tmp_path, monkeypatch, delay_s=1.0)
+    cfg = config(tmp_path, "switched_reward:reward")
+    cfg.run.max_steps = 3
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=0.17)
+    submit = parts.fake_generator.submit
+
+    def refuse_calibration(request, on_done):
+        if request.tag == "calibrate":
+            on_done(GenResult.failed(request, GenStatus.REFUSED, "no room"))
+            return
+        submit(request, on_done)
+
+    parts.fake_generator.submit = refuse_calibration  # type: ignore[method-assign]
+    console = Console(stderr=True, width=200, record=True)
+    asyncio.run(train(cfg, console=console, parts=parts))
+    text = console.export_text()
+    assert text.count("calibration failed (refused: no room)") == 1
+    rows = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")
+    calibrations = [r for r in rows if r.get("kind") == "calibrate"]
+    assert len(calibrations) == 1 and not any(k.startswith("engine_") for k in calibrations[0])
+    assert [r["mode_kind"] for r in rows if r.get("kind") == "mode"][:1] == ["measured"]

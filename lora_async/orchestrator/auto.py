@@ -4,8 +4,9 @@ measures (`calibrate`, then `observe` on every step row), and applied in one pla
 
 An auto run on shared compute goes through phases (`Auto.phase`):
 - MEASURE: sync steps; the last of `Auto.measure_steps` is the measurement, and `decide` picks;
-- CONFIRM: the first async step after a choice of async; `Model.confirmed` corrects the model
-  with what that step measured, and the choice is made again (it may go back to sync);
+- CONFIRM: the async steps after a choice of async: the first fills the pipeline (and its
+  learner step is the first at the new thread count); on the second `Model.confirmed` corrects
+  the model with what it measured, and the choice is made again (it may go back to sync);
 - WATCH: every step against the prediction; `OFF_STEPS` in a row more than `OFF_BY` away and
   it decides again (in sync from the last steps; in async after `REMEASURE_STEPS` sync steps).
 
@@ -153,8 +154,11 @@ async def observe(run: "Run", row: dict[str, Any]) -> None:
         return
     assert run.choice is not None and auto.model is not None
     if auto.phase == CONFIRM:
+        if not auto.filled:  # the pipeline fills and the threads settle on their cores
+            auto.filled = True
+            return
         auto.model = auto.model.confirmed(step, run.choice.staleness)
-        choice = decide(auto.model, auto.lags, auto.costs, "confirmed", at)
+        choice = decide(auto.model, auto.lags, auto.costs, "confirmed", at, margin=1.0)
         if choice.synchronous:
             choice = Choice(Mode.SYNC, 0, False, f"async step measured: {choice.reason}", "reverted", at,
                             choice.predicted_step_s, choice.predictions, choice.sync)
@@ -188,6 +192,7 @@ async def settle(run: "Run", choice: Choice, confirm: bool, why: str = "") -> No
         choice = Choice(choice.mode, choice.staleness, choice.split, f"{why}; {choice.reason}", choice.kind,
                         choice.decided_at_step, choice.predicted_step_s, choice.predictions, choice.sync)
     auto.phase = CONFIRM if confirm and not choice.synchronous else WATCH
+    auto.filled = False
     await apply_choice(run, choice)
 
 

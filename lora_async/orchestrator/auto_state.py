@@ -26,6 +26,7 @@ class Auto:
     phase: str = MEASURE
     measure_steps: int = 1  # sync steps to run before deciding; the last one is measured
     measured: int = 0
+    filled: bool = False  # CONFIRM: the first async step (the pipeline filling) is behind
     recent: list[StepFigures] = field(default_factory=list)  # the last OFF_STEPS steps
     off_streak: int = 0
     aborted_seen: int = 0  # the adapters' aborted-group counters at the last row

@@ -56,9 +56,6 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
     7. a failure is raised as `TrainingError` (after the summary is written).
     """
     run = await setup_run(config, resume, console or Console(stderr=True), parts)
-    # What a user waited for before training began (imports, model build, engine start).
-    run.metrics.event({"kind": "start", "startup_s": round(time.time() - psutil.Process().create_time(), 2),
-                       "resumed": resume})
     install_stop_signals(run, stop)
     workers: list[asyncio.Task] = []
     try:
@@ -66,6 +63,11 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
         if config.run.eval_at_start:
             await evaluate_all(run, "start")
         await begin(run)  # auto: the engine's curve (or a resumed run's choice back in force)
+        # What a user waited for before training began (imports, model build, engine start, the
+        # first hand-off, the start eval, auto's calibration); the training clock starts now.
+        run.metrics.event({"kind": "start", "startup_s": round(time.time() - psutil.Process().create_time(), 2),
+                           "resumed": resume})
+        run.start_clock()
         ready: asyncio.Queue[tuple[AdapterRun, list[Group]]] = asyncio.Queue()
         run.began = run.marks()
         run.learner_clock.start()

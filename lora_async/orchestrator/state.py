@@ -203,6 +203,11 @@ class Run:
         return self.config.buffer.partial_rollouts and not self.window.synchronous
 
     # ---- helpers every part uses
+    def start_clock(self) -> None:
+        """Training begins: `wall_s` (the time budget's clock) counts from here, on top of what
+        a resumed run had trained."""
+        self.started = time.perf_counter()
+
     @property
     def wall_s(self) -> float:
         return self.wall_offset + time.perf_counter() - self.started
