@@ -199,9 +199,11 @@ class Model:
         engine's own counts, so a step that is still filling its pipeline reads right)."""
         share_cost = max(1.0, _per_token(step) / _per_token(self.sync)) if self.split and self.sync.learner_s > 0 else 1.0
         correction = self.gen_correction
-        sync_rate, async_rate, batch = self.sync.engine_rate, step.engine_rate, self.async_batch(staleness)
-        if sync_rate and async_rate and self.sync.engine_batch is not None and batch is not None:
-            assumed = (self.curve.rate(self.sync.engine_batch, False) / self.curve.rate(batch, self.split)
+        sync_rate, async_rate = self.sync.engine_rate, step.engine_rate
+        if sync_rate and async_rate and self.sync.engine_batch is not None and step.engine_batch is not None:
+            # the curve's error at the batches the two steps ran (the async one may not have
+            # reached the batch the model expects: that is the model's assumption, not the curve's)
+            assumed = (self.curve.rate(self.sync.engine_batch, False) / self.curve.rate(step.engine_batch, self.split)
                        if self.curve is not None else 1.0)
             correction = (sync_rate / async_rate) / assumed
         return replace(self, learner_share_cost=share_cost if self.split else 1.0, gen_correction=correction)

@@ -97,6 +97,12 @@ def test_a_confirming_step_corrects_the_learners_cost_and_the_engines_rate():
     assert fixed.learner_share_cost == pytest.approx(3.0)
     assert fixed.gen_correction == pytest.approx(2.0)
     assert fixed.step_s(1) > m.step_s(1)
+    # an async step that ran a smaller batch than the model expects (the generator was ahead and
+    # waited), at exactly the curve's rate for that batch: the curve was right, nothing to correct
+    small = 8.0
+    on_curve = step.engine_rate * BATCHING.rate(small, True) / BATCHING.rate(16, False)  # type: ignore[operator]
+    assert m.confirmed(replace(step, engine_batch=small, gen_compute_s=small * 100.0 / on_curve), 1).gen_correction \
+        == pytest.approx(1.0)
     # steps differ in length: the learner's cost compares per token it computed on
     counted = model(replace(step, learner_tokens=1000), BATCHING)
     longer = replace(measured, learner_s=4.0, learner_tokens=2000)  # twice the time for twice the tokens
