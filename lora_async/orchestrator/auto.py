@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import lag_cost
 from ..generator.types import GenRequest, GenStatus
-from ..mode import (OFF_STEPS, REMEASURE_STEPS, Choice, EngineCurve, Mode, Model, StepFigures, candidates, decide,
+from ..mode import (OFF_STEPS, REMEASURE_STEPS, Choice, EngineCurve, Mode, StepFigures, candidates, decide,
                     initial_choice, off_prediction)
 from ..placement import Placement, available_cpus, pin_current_thread, shares_compute, split_placements
 from ..staleness import StalenessWindow
@@ -62,9 +62,8 @@ def start_mode(config: "TrainConfig", resumed: dict[str, Any] | None = None) -> 
         auto.restore(resumed)
         last = Choice.from_json(resumed["decisions"][-1]["choice"])
         if last.staleness <= buffer.max_staleness:
-            resumed_choice = Choice(last.mode, last.staleness, last.split and split,
-                                    f"resumed: {last.reason}", "resumed", last.decided_at_step,
-                                    last.predicted_step_s, last.predictions, last.sync)
+            resumed_choice = replace(last, split=last.split and split, reason=f"resumed: {last.reason}",
+                                     kind="resumed")
             return resumed_choice, auto, resumed_choice.describe()
         auto = Auto(costs, lags, split, auto.batch_cap)  # the window shrank: measure again
     return None, auto, (f"auto: engine calibration, then 1 sync step measures; it predicts a step at staleness "
@@ -160,8 +159,7 @@ async def observe(run: "Run", row: dict[str, Any]) -> None:
         auto.model = auto.model.confirmed(step, run.choice.staleness)
         choice = decide(auto.model, auto.lags, auto.costs, "confirmed", at, margin=1.0)
         if choice.synchronous:
-            choice = Choice(Mode.SYNC, 0, False, f"async step measured: {choice.reason}", "reverted", at,
-                            choice.predicted_step_s, choice.predictions, choice.sync)
+            choice = replace(choice, reason=f"async step measured: {choice.reason}", kind="reverted")
         await settle(run, choice, confirm=False)
         return
     auto.off_streak = auto.off_streak + 1 if off_prediction(run.choice.predicted_step_s, step.step_s) else 0
@@ -189,8 +187,7 @@ async def settle(run: "Run", choice: Choice, confirm: bool, why: str = "") -> No
     auto = run.auto
     assert auto is not None
     if why:
-        choice = Choice(choice.mode, choice.staleness, choice.split, f"{why}; {choice.reason}", choice.kind,
-                        choice.decided_at_step, choice.predicted_step_s, choice.predictions, choice.sync)
+        choice = replace(choice, reason=f"{why}; {choice.reason}")
     auto.phase = CONFIRM if confirm and not choice.synchronous else WATCH
     auto.filled = False
     await apply_choice(run, choice)
