@@ -256,8 +256,9 @@ def test_steps_that_drift_from_the_prediction_make_auto_decide_again(tmp_path, m
     assert kinds[:2] == [("measured", "sync"), ("re-decided", "async")]
     redecided = events[1]
     assert "3 steps took" in redecided["mode_reason"]
-    # three slow sync steps (3, 4, 5) and then the decision, not later
-    assert redecided["step"] == 5
+    # three slow sync steps and then the decision, not later: steps 3-5, or 4-6 where step 3's
+    # groups were scored before the flag appeared (producers wake before `on_step` runs)
+    assert redecided["step"] in (5, 6)
     assert max(r["policy_lag_max"] for r in steps[5:]) >= 1
 
 
