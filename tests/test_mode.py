@@ -17,8 +17,9 @@ from lora_async import lag_cost
 from lora_async.config import ConfigError, TrainConfig, load_config
 from lora_async.generator.types import GenResult, GenStatus
 from lora_async.metrics import read_metrics
-from lora_async.mode import (Choice, EngineCurve, Mode, Model, StepFigures, candidates, decide, initial_choice,
-                             off_prediction)
+from lora_async.mode import (LEARNER_SPLIT_SLOWDOWN, Choice, EngineCurve, Mode, Model, StepFigures, candidates,
+                             decide, initial_choice, off_prediction, scaled_step_s)
+from lora_async.orchestrator.auto_state import Auto
 from lora_async.orchestrator import train
 
 from .fakes import FakeParts
@@ -93,7 +94,7 @@ def test_a_confirming_step_corrects_the_learners_cost_and_the_engines_rate():
     async_rate = step.engine_rate / assumed / 2  # type: ignore[operator]
     measured = replace(step, learner_s=6.0, engine_batch=32.0,
                        gen_compute_s=32.0 * 100.0 / async_rate)
-    fixed = m.confirmed(measured, 1)
+    fixed = m.confirmed([measured, measured])
     assert fixed.learner_share_cost == pytest.approx(3.0)
     assert fixed.gen_correction == pytest.approx(2.0)
     assert fixed.step_s(1) > m.step_s(1)
@@ -101,13 +102,48 @@ def test_a_confirming_step_corrects_the_learners_cost_and_the_engines_rate():
     # waited), at exactly the curve's rate for that batch: the curve was right, nothing to correct
     small = 8.0
     on_curve = step.engine_rate * BATCHING.rate(small, True) / BATCHING.rate(16, False)  # type: ignore[operator]
-    assert m.confirmed(replace(step, engine_batch=small, gen_compute_s=small * 100.0 / on_curve), 1).gen_correction \
+    assert m.confirmed([replace(step, engine_batch=small, gen_compute_s=small * 100.0 / on_curve)]).gen_correction \
         == pytest.approx(1.0)
     # steps differ in length: the learner's cost compares per token it computed on
     counted = model(replace(step, learner_tokens=1000), BATCHING)
     longer = replace(measured, learner_s=4.0, learner_tokens=2000)  # twice the time for twice the tokens
-    assert counted.confirmed(longer, 1).learner_share_cost == pytest.approx(1.0)
-    assert counted.confirmed(replace(longer, learner_s=6.0), 1).learner_share_cost == pytest.approx(1.5)
+    assert counted.confirmed([longer]).learner_share_cost == pytest.approx(1.0)
+    assert counted.confirmed([replace(longer, learner_s=6.0)]).learner_share_cost == pytest.approx(1.5)
+    # the step that filled the pipeline (its learner the first on one core, 2.5x a steady one)
+    # and the next: the better of the two is the steady cost, and it keeps a choice the slow
+    # step alone would have reverted
+    slow = replace(longer, learner_s=10.0)
+    assert counted.confirmed([slow, replace(longer, learner_s=5.0)]).learner_share_cost == pytest.approx(1.25)
+    assert counted.confirmed([slow]).learner_share_cost == pytest.approx(2.5)
+
+
+def test_the_learners_calibrated_split_cost_replaces_the_assumed_one():
+    # calibrated at start-up: the learner on its one core as fast per token as on both (a small
+    # model's step is much serial dispatch), and async is worth it; the assumed 1.7x says sync
+    step = sync_step(10.0, 6.0, 4.0, 0.0)
+    calibrated = Auto(M2PO, [0, 1, 2, 4], True, 128, curve=BATCHING, learner_split=1.05)
+    assumed = Auto(M2PO, [0, 1, 2, 4], True, 128, curve=BATCHING)
+    assert calibrated.measure(step).learner_share_cost == 1.05
+    assert assumed.measure(step).learner_share_cost == LEARNER_SPLIT_SLOWDOWN
+    assert decide(calibrated.measure(step), [0, 1, 2, 4], M2PO, "measured", 1).mode is Mode.ASYNC
+    assert decide(assumed.measure(step), [0, 1, 2, 4], M2PO, "measured", 1).mode is Mode.SYNC
+    # it is part of what a checkpoint keeps
+    again = Auto(M2PO, [0, 1, 2, 4], True, 128)
+    again.restore(json.loads(json.dumps(calibrated.to_json())))
+    assert again.learner_split == 1.05
+
+
+def test_the_monitor_compares_steps_per_sample_drawn():
+    # a task being solved draws more groups per step (flat ones train nothing): a step that drew
+    # twice the samples, its generation taking twice as long and its learner as long, is on its
+    # prediction
+    measured = sync_step(10.0, 2.0, 8.0, 0.0)
+    choice = decide(model(measured), [0, 1, 2, 4], M2PO, "measured", 1)
+    twice = replace(measured, step_s=18.0, gen_compute_s=16.0, samples_pulled=64)
+    assert scaled_step_s(twice, choice) == pytest.approx(10.0)
+    assert not off_prediction(choice.predicted_step_s, scaled_step_s(twice, choice))
+    # the same step with as many samples as measured took 1.8x: off
+    assert off_prediction(choice.predicted_step_s, scaled_step_s(replace(twice, samples_pulled=32), choice))
 
 
 def test_candidates_and_the_monitors_rule():

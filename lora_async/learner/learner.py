@@ -46,6 +46,9 @@ class StepStats:
     loss_stats: LossStats = field(default_factory=LossStats)
     seconds: float = 0.0
     lr_scale: float = 1.0
+    # the process's CPU seconds over the step (every thread): in a sync step, where the engine
+    # is idle, the cores the learner keeps busy are cpu_s / seconds (`mode.StepFigures`)
+    cpu_s: float = 0.0
 
 
 @dataclass
@@ -81,13 +84,13 @@ def lr_scale(setting: str, stats: LossStats) -> float:
 
 
 def step_stats(adapter: str, version: int, samples: list[TrainSample], total_tokens: int, micro_batches: int,
-               part: Accumulated, update: Update, started: float) -> StepStats:
+               part: Accumulated, update: Update, started: float, cpu_started: float) -> StepStats:
     return StepStats(
         adapter=adapter, version=version, updated=update.updated, skipped_nonfinite=update.nonfinite,
         loss=part.loss_sum / total_tokens if total_tokens else 0.0, grad_norm=update.grad_norm,
         samples=len(samples), tokens_trained=total_tokens, padded_tokens=part.padded_tokens,
         micro_batches=micro_batches, loss_stats=part.stats, seconds=time.perf_counter() - started,
-        lr_scale=update.lr_scale,
+        lr_scale=update.lr_scale, cpu_s=time.process_time() - cpu_started,
     )
 
 
@@ -301,7 +304,7 @@ class Learner:
 
     # ---- the training step
     def train_step(self, adapter: str, samples: list[TrainSample]) -> StepStats:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         self.begin_step(adapter, samples)
         trained = self.trainable(samples)
         total_tokens = sum(s.trained_tokens for s in trained)
@@ -309,7 +312,7 @@ class Learner:
         part = self.accumulate(adapter, trained, plan, total_tokens)
         update = self.apply_update(adapter, part.loss_sum / total_tokens if total_tokens else 0.0, total_tokens,
                                    lr_scale(self.cfg.lr_scale, part.stats))
-        return step_stats(adapter, self.version(adapter), samples, total_tokens, len(plan), part, update, started)
+        return step_stats(adapter, self.version(adapter), samples, total_tokens, len(plan), part, update, started, cpu_started)
 
     def begin_step(self, adapter: str, samples: list[TrainSample]) -> None:
         """Check that `samples` are all `adapter`'s, make it the active adapter, clear its gradients."""

@@ -182,7 +182,7 @@ class ParallelLearner:
         return loads(self._expect(handle, "ok", self.timeouts.silence_s))
 
     def train_step(self, adapter: str, samples: list[TrainSample]) -> StepStats:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         self._check_usable()
         local = self.local
         trained = local.trainable(samples)
@@ -212,7 +212,7 @@ class ParallelLearner:
             theirs, version = self._expect(handle, "ok", self.timeouts.silence_s)
             if version != local.version(adapter) or theirs.updated != update.updated:
                 self._fail(f"{handle.name} diverged: version {version} vs rank 0's {local.version(adapter)}")
-        return step_stats(adapter, local.version(adapter), samples, total_tokens, len(plan), part, update, started)
+        return step_stats(adapter, local.version(adapter), samples, total_tokens, len(plan), part, update, started, cpu_started)
 
     def close(self) -> None:
         """End the other ranks (asked first; a hung or stopped one is killed). Rank 0's state stays."""

@@ -5,10 +5,12 @@ measures (`calibrate`, then `observe` on every step row), and applied in one pla
 An auto run on shared compute goes through phases (`Auto.phase`):
 - MEASURE: sync steps; the last of `Auto.measure_steps` is the measurement, and `decide` picks;
 - CONFIRM: the async steps after a choice of async: the first fills the pipeline (and its
-  learner step is the first at the new thread count); on the second `Model.confirmed` corrects
-  the model with what it measured, and the choice is made again (it may go back to sync);
-- WATCH: every step against the prediction; `OFF_STEPS` in a row more than `OFF_BY` away and
-  it decides again (in sync from the last steps; in async after `REMEASURE_STEPS` sync steps).
+  learner step is the first at the new thread count); after the second `Model.confirmed`
+  corrects the model with what the two measured, and the choice is made again (it may go back
+  to sync);
+- WATCH: every step against the prediction, per sample drawn; `OFF_STEPS` in a row more than
+  `OFF_BY` away and it decides again (in sync from the last steps; in async after
+  `REMEASURE_STEPS` sync steps).
 
 The decisions and the model behind them go into every checkpoint (`Auto.to_json`); a resumed
 run starts in the chosen mode and only watches.
@@ -30,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 from .. import lag_cost
 from ..generator.types import GenRequest, GenStatus
-from ..mode import (OFF_STEPS, REMEASURE_STEPS, Choice, EngineCurve, Mode, StepFigures, candidates, decide,
-                    initial_choice, off_prediction)
+from ..learner import probe
+from ..mode import (LEARNER_SPLIT_SLOWDOWN, OFF_STEPS, REMEASURE_STEPS, Choice, EngineCurve, Mode, StepFigures, candidates, decide,
+                    initial_choice, off_prediction, scaled_step_s)
 from ..placement import Placement, available_cpus, pin_current_thread, shares_compute, split_placements
 from ..staleness import StalenessWindow
 from .auto_state import CONFIRM, MEASURE, WATCH, Auto
@@ -50,22 +53,22 @@ def start_mode(config: "TrainConfig", resumed: dict[str, Any] | None = None) -> 
     """The choice at the start (None: auto measures first), the auto state (None: the mode is
     settled), and the start line's words for it. `resumed`: the checkpoint's auto state."""
     buffer = config.buffer
-    split = split_placements(config) is not None
-    choice = initial_choice(buffer.mode, buffer.max_staleness, shares_compute(config), split=split)
+    choice = initial_choice(buffer.mode, buffer.max_staleness, shares_compute(config),
+                            split=split_placements(config) is not None)
     if choice is not None:
         return choice, None, choice.describe()
     costs = lag_cost.load(buffer.lag_costs, config.loss.type)
     lags = candidates(buffer.max_staleness)
     sequences = max(spec.sampling.samples_per_prompt for spec in config.adapter_specs)
-    auto = Auto(costs, lags, split, config.generator.groups_in_flight * sequences)
+    auto = Auto(costs, lags, split_placements(config) is not None, config.generator.groups_in_flight * sequences)
     if resumed and resumed.get("decisions"):
         auto.restore(resumed)
         last = Choice.from_json(resumed["decisions"][-1]["choice"])
         if last.staleness <= buffer.max_staleness:
-            resumed_choice = replace(last, split=last.split and split, reason=f"resumed: {last.reason}",
+            resumed_choice = replace(last, split=last.split and auto.split, reason=f"resumed: {last.reason}",
                                      kind="resumed")
             return resumed_choice, auto, resumed_choice.describe()
-        auto = Auto(costs, lags, split, auto.batch_cap)  # the window shrank: measure again
+        auto = Auto(costs, lags, auto.split, auto.batch_cap)  # the window shrank: measure again
     return None, auto, (f"auto: engine calibration, then 1 sync step measures; it predicts a step at staleness "
                         f"{', '.join(map(str, lags))} weighed by lag's cost in steps ({costs.describe(lags)}), "
                         f"and 1 async step confirms")
@@ -130,8 +133,34 @@ async def calibrate(run: "Run") -> None:
             await asyncio.to_thread(run.generator.with_receiver, lambda _: pin_current_thread(every_core))
     auto.curve = EngineCurve(every, split, round(time.perf_counter() - began, 2))
     run.console.print(f"auto: engine {auto.curve.describe()}", highlight=False)
+    learner = await calibrate_learner(run, every_core, placements[1] if placements is not None else None)
     run.metrics.event({"kind": "calibrate", **{f"engine_b{b}_tok_s": r for b, r in every},
-                       **{f"engine_share_b{b}_tok_s": r for b, r in split}, "seconds": auto.curve.seconds})
+                       **{f"engine_share_b{b}_tok_s": r for b, r in split}, "seconds": auto.curve.seconds,
+                       **learner})
+
+
+async def calibrate_learner(run: "Run", every_core: Placement, share: Placement | None) -> dict[str, float]:
+    """Where async would split the cores: the learner's seconds per token on every core and on
+    its share (`learner/probe.py`), whose ratio the model then takes for the split's cost to
+    the learner. A data-parallel learner keeps the assumed cost."""
+    auto = run.auto
+    assert auto is not None
+    if not auto.split or share is None or not hasattr(run.learner, "model"):
+        return {}
+    try:
+        every = await run.in_learner(probe.seconds_per_token, run.learner, every_core, run.config.run.seed)
+        on_share = await run.in_learner(probe.seconds_per_token, run.learner, share, run.config.run.seed)
+    except RuntimeError as exc:
+        run.console.print(f"[yellow]auto: the learner's calibration failed ({exc}); assuming its step takes "
+                          f"{LEARNER_SPLIT_SLOWDOWN}x as long on its share of the cores[/]")
+        return {}
+    finally:
+        await run.in_learner(pin_current_thread, every_core)
+    auto.learner_split = round(max(1.0, on_share / every), 3)
+    run.console.print(f"auto: learner {1000 * every:.2f} ms/token on every core, {1000 * on_share:.2f} on its "
+                      f"share ({auto.learner_split:.2f}x)", highlight=False)
+    return {"learner_ms_per_token": round(1000 * every, 3), "learner_share_ms_per_token": round(1000 * on_share, 3),
+            "learner_split_cost": auto.learner_split}
 
 
 async def observe(run: "Run", row: dict[str, Any]) -> None:
@@ -153,22 +182,23 @@ async def observe(run: "Run", row: dict[str, Any]) -> None:
         return
     assert run.choice is not None and auto.model is not None
     if auto.phase == CONFIRM:
-        if not auto.filled:  # the pipeline fills and the threads settle on their cores
-            auto.filled = True
+        auto.confirming.append(step)
+        if len(auto.confirming) < 2:  # the pipeline fills and the threads settle on their cores
             return
-        auto.model = auto.model.confirmed(step, run.choice.staleness)
+        auto.model = auto.model.confirmed(auto.confirming)
         choice = decide(auto.model, auto.lags, auto.costs, "confirmed", at, margin=1.0)
         if choice.synchronous:
             choice = replace(choice, reason=f"async step measured: {choice.reason}", kind="reverted")
         await settle(run, choice, confirm=False)
         return
-    auto.off_streak = auto.off_streak + 1 if off_prediction(run.choice.predicted_step_s, step.step_s) else 0
+    scaled = scaled_step_s(step, run.choice)
+    auto.off_streak = auto.off_streak + 1 if off_prediction(run.choice.predicted_step_s, scaled) else 0
     if auto.off_streak < OFF_STEPS:
         return
     auto.off_streak = 0
     predicted = run.choice.predicted_step_s or 0.0
-    measured = sum(s.step_s for s in auto.recent) / len(auto.recent)
-    why = f"{OFF_STEPS} steps took {measured:.1f}s against the predicted {predicted:.1f}s"
+    measured = sum(scaled_step_s(s, run.choice) for s in auto.recent) / len(auto.recent)
+    why = f"{OFF_STEPS} steps took {measured:.1f}s (per the measured step's samples) against the predicted {predicted:.1f}s"
     if run.choice.synchronous:  # the last sync steps are a measurement
         auto.model = auto.measure(StepFigures.mean(auto.recent))
         await settle(run, decide(auto.model, auto.lags, auto.costs, "re-decided", at), confirm=True, why=why)
@@ -189,7 +219,7 @@ async def settle(run: "Run", choice: Choice, confirm: bool, why: str = "") -> No
     if why:
         choice = replace(choice, reason=f"{why}; {choice.reason}")
     auto.phase = CONFIRM if confirm and not choice.synchronous else WATCH
-    auto.filled = False
+    auto.confirming = []
     await apply_choice(run, choice)
 
 

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..lag_cost import LagCosts
-from ..mode import EngineCurve, Model, StepFigures
+from ..mode import LEARNER_SPLIT_SLOWDOWN, EngineCurve, Model, StepFigures
 
 MEASURE, CONFIRM, WATCH = "measure", "confirm", "watch"
 
@@ -22,11 +22,12 @@ class Auto:
     split: bool
     batch_cap: int
     curve: EngineCurve | None = None
+    learner_split: float | None = None  # the learner's step on its share / on every core (calibrated)
     model: Model | None = None
     phase: str = MEASURE
     measure_steps: int = 1  # sync steps to run before deciding; the last one is measured
     measured: int = 0
-    filled: bool = False  # CONFIRM: the first async step (the pipeline filling) is behind
+    confirming: list[StepFigures] = field(default_factory=list)  # CONFIRM: the async steps so far
     recent: list[StepFigures] = field(default_factory=list)  # the last OFF_STEPS steps
     off_streak: int = 0
     aborted_seen: int = 0  # the adapters' aborted-group counters at the last row
@@ -36,11 +37,13 @@ class Auto:
         """A model from a new sync measurement; what a confirming step measured (the learner's
         cost on its share, the engine's rate) carries over."""
         if self.model is None:
-            return Model(sync, self.split, self.batch_cap, self.curve)
+            return Model(sync, self.split, self.batch_cap, self.curve,
+                         learner_share_cost=self.learner_split or LEARNER_SPLIT_SLOWDOWN)
         return replace(self.model, sync=sync)
 
     def to_json(self) -> dict[str, Any]:
         return {"phase": self.phase, "curve": asdict(self.curve) if self.curve else None,
+                "learner_split": self.learner_split,
                 "model": _model_json(self.model), "decisions": self.decisions}
 
     def restore(self, data: dict[str, Any]) -> None:
@@ -50,6 +53,7 @@ class Auto:
         model = data.get("model")
         if model is not None:
             self.model = Model(**{**model, "sync": StepFigures(**model["sync"]), "curve": self.curve})
+        self.learner_split = data.get("learner_split")
         self.phase = WATCH if data.get("phase") != MEASURE else MEASURE
         self.decisions = list(data.get("decisions", []))
 

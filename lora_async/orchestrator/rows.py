@@ -63,6 +63,7 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         "ess_frac": ls.ess_frac, "lr_scale": stats.lr_scale,
         **ls.lag_figures(),  # lag0/tokens, lag0/clip_frac, ... (lag_figures.py)
         "sync_ms": 0.0, "sync_wait_ms": 0.0, "learner_s": stats.seconds,
+        "learner_cpu_s": round(stats.cpu_s, 4),  # the process's, over the learner's step (StepStats.cpu_s)
         "learner_wait_s": round(run.learner_clock.waited_s, 4),
         "step_s": round(elapsed, 4), **generator_split(marks, until),
         **{key: round(value, 6) for key, value in call_figures(adapter.waits.take()).items()},
