@@ -69,9 +69,9 @@ def start_mode(config: "TrainConfig", resumed: dict[str, Any] | None = None) -> 
                                      kind="resumed")
             return resumed_choice, auto, resumed_choice.describe()
         auto = Auto(costs, lags, auto.split, auto.batch_cap)  # the window shrank: measure again
-    return None, auto, (f"auto: engine calibration, then 1 sync step measures; it predicts a step at staleness "
-                        f"{', '.join(map(str, lags))} weighed by lag's cost in steps ({costs.describe(lags)}), "
-                        f"and 1 async step confirms")
+    return None, auto, (f"auto: engine and learner calibration, then 1 sync step measures; it predicts a step at "
+                        f"staleness {', '.join(map(str, lags))} weighed by lag's cost in steps "
+                        f"({costs.describe(lags)}), and the first 2 async steps confirm")
 
 
 def start_window(choice: Choice | None) -> StalenessWindow:
