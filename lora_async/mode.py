@@ -350,3 +350,18 @@ def scaled_step_s(step: StepFigures, choice: Choice) -> float:
         return step.step_s
     generating = min(step.step_s, step.gen_compute_s + step.wait_s)
     return step.step_s - generating * (1.0 - reference / step.samples_pulled)
+
+
+def async_still_sooner(choice: Choice, measured_s: float, costs: LagCosts) -> str | None:
+    """Why async steps that took `measured_s` (scaled to the measured step's samples) keep
+    async, or None: they must beat their prediction, or, times lag's cost, the sync step
+    measured (staying costs nothing; going back costs sync steps to measure)."""
+    if choice.predicted_step_s is not None and measured_s < choice.predicted_step_s:
+        return "faster than predicted"
+    if choice.sync is None or measured_s <= 0:
+        return None
+    to_target = measured_s * costs.at(choice.staleness)
+    if to_target >= choice.sync.step_s:
+        return None
+    return (f"x{costs.at(choice.staleness):.2f} for lag still {choice.sync.step_s / to_target:.2f}x sooner than the "
+            f"sync step measured ({choice.sync.step_s:.1f}s)")

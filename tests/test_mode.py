@@ -18,7 +18,7 @@ from lora_async.config import ConfigError, TrainConfig, load_config
 from lora_async.generator.types import GenResult, GenStatus
 from lora_async.metrics import read_metrics
 from lora_async.mode import (LEARNER_SPLIT_SLOWDOWN, Choice, EngineCurve, Mode, Model, StepFigures, candidates,
-                             decide, initial_choice, off_prediction, scaled_step_s)
+                             async_still_sooner, decide, initial_choice, off_prediction, scaled_step_s)
 from lora_async.orchestrator.auto_state import Auto
 from lora_async.orchestrator import train
 
@@ -131,6 +131,19 @@ def test_the_learners_calibrated_split_cost_replaces_the_assumed_one():
     again = Auto(M2PO, [0, 1, 2, 4], True, 128)
     again.restore(json.loads(json.dumps(calibrated.to_json())))
     assert again.learner_split == 1.05
+
+
+def test_async_slower_than_predicted_but_sooner_than_sync_stays_async():
+    # v2: async predicted 1.2 s a step, measured 2.0 s, sync measured 2.8 s; re-measuring there
+    # every few steps cost 16 of 112 steps in sync
+    measured = sync_step(2.8, 1.0, 1.8, 0.0)
+    choice = decide(model(measured, BATCHING), [0, 1, 2, 4], M2PO, "measured", 1)
+    assert choice.mode is Mode.ASYNC and choice.predicted_step_s is not None and choice.predicted_step_s < 2.0
+    assert async_still_sooner(choice, choice.predicted_step_s * 0.9, M2PO) == "faster than predicted"
+    assert "sooner than the sync step measured (2.8s)" in async_still_sooner(choice, 2.0, M2PO)  # type: ignore[operator]
+    # slower than sync once lag's cost is counted: measure sync again
+    assert async_still_sooner(choice, 2.8 / M2PO.at(choice.staleness), M2PO) is None
+    assert async_still_sooner(choice, 3.5, M2PO) is None
 
 
 def test_the_monitor_compares_steps_per_sample_drawn():
