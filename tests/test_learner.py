@@ -159,7 +159,7 @@ def test_a_cpu_step_returns_what_malloc_kept(tiny_model):
 
 
 def test_the_step_counts_the_cpu_time_it_took(tiny_model):
-    # auto reads the cores a sync step's learner kept busy from this (mode.StepFigures)
+    # the step row's learner_cpu_s (a diagnostic: CPU seconds over the learner's step)
     lrn = learner(tiny_model)
     stats = lrn.train_step("main", samples())
     assert 0.0 < stats.cpu_s and stats.seconds > 0.0
