@@ -3,7 +3,7 @@ lag k over the steps at lag 0, as `lora-async bench staleness` measured them.
 
 `buffer.mode = "auto"` weighs each staleness it could run at by this ratio: an async step that
 trains `r` times fewer useful steps per step must be `r` times shorter to reach the target as
-soon (`mode.py`).
+soon (`mode/`).
 
 The built-in table is the median over the workloads the benchmark ran with 3 paired seeds
 (`REPORTS`: bench/results/staleness/; `tests/test_lag_cost.py` recomputes it from them, so the

@@ -174,6 +174,17 @@ def test_a_choice_survives_json():
     assert again == choice
 
 
+def test_a_choice_an_earlier_version_saved_still_loads_and_an_unknown_key_fails():
+    # checkpoints written before StepFigures dropped learner_cpu_s carry it in the choice
+    choice = decide(model(sync_step(70.0, 15.0, 5.0, 50.0)), [0, 1, 2, 4], M2PO, "measured", 3)
+    saved = json.loads(json.dumps(choice.to_json()))
+    saved["sync"]["learner_cpu_s"] = 12.5
+    assert Choice.from_json(saved) == choice
+    saved["sync"]["gen_s_renamed"] = 1.0
+    with pytest.raises(TypeError, match="gen_s_renamed"):
+        Choice.from_json(saved)
+
+
 def test_pinned_and_own_device_choices_need_no_measurement():
     assert initial_choice("sync", 2, shared=True, split=True).mode is Mode.SYNC  # type: ignore[union-attr]
     assert initial_choice("auto", 0, shared=True, split=True).mode is Mode.SYNC  # type: ignore[union-attr]

@@ -144,8 +144,9 @@ class LearnerConfig(Section):
 
 class BufferConfig(Section):
     mode: Literal["auto", "async", "sync"] = Field(
-        "auto", description="'auto': it calibrates the engine, measures one sync step, predicts each staleness's time "
-                            "to target and confirms async with one step, then keeps checking (lora_async/mode.py); "
+        "auto", description="'auto': it calibrates the engine and the learner, measures one sync step, predicts each "
+                            "staleness's time to target and confirms async with two steps, then keeps checking "
+                            "(lora_async/mode/); "
                             "'async' or 'sync' pins it.",
     )
     max_tokens: int = Field(

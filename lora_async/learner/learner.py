@@ -47,7 +47,7 @@ class StepStats:
     seconds: float = 0.0
     lr_scale: float = 1.0
     # the process's CPU seconds over the step (every thread): in a sync step, where the engine
-    # is idle, the cores the learner keeps busy are cpu_s / seconds (`mode.StepFigures`)
+    # is idle, the cores the learner keeps busy are cpu_s / seconds (the row's learner_cpu_s)
     cpu_s: float = 0.0
 
 

@@ -1,6 +1,6 @@
 """The run's mode in force: set at the start (`start_mode`), decided by an auto run from what it
 measures (`calibrate`, then `observe` on every step row), and applied in one place
-(`apply_choice`). The model and the decision rules are `lora_async/mode.py`.
+(`apply_choice`). The model and the decision rules are `lora_async/mode/`.
 
 An auto run on shared compute goes through phases (`Auto.phase`):
 - MEASURE: sync steps; the last of `Auto.measure_steps` is the measurement, and `decide` picks;

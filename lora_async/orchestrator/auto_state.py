@@ -52,7 +52,7 @@ class Auto:
                                  tuple((int(b), float(r)) for b, r in curve["split"]), curve["seconds"]) if curve else None
         model = data.get("model")
         if model is not None:
-            self.model = Model(**{**model, "sync": StepFigures(**model["sync"]), "curve": self.curve})
+            self.model = Model(**{**model, "sync": StepFigures.from_json(model["sync"]), "curve": self.curve})
         self.learner_split = data.get("learner_split")
         self.phase = WATCH if data.get("phase") != MEASURE else MEASURE
         self.decisions = list(data.get("decisions", []))

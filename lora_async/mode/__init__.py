@@ -1,0 +1,56 @@
+"""Sync or async, and at what staleness: the choice `buffer.mode = "auto"` makes, and why.
+
+Asynchrony pays where a half would otherwise wait (a tool, a reward, an environment, a device
+of its own), and on a CPU engine also through batching: async keeps more requests in flight,
+and the engine's throughput grows with its batch. It costs twice: on shared cores each half
+computes on a share of them, and a sample k versions old teaches less (`lag_cost.py`).
+
+Where the learner has a device of its own (another GPU, remote generators), an auto run is
+async from the start. Where the two halves share compute, it decides from what it measures:
+1. **the engine and the learner, in seconds** (`EngineCurve`, at start-up): decode throughput at
+   a few batch sizes on every core, and on the generator's share where an async run would split
+   them,
+   and the learner's speed per token on every core and on its share (`learner/probe.py`);
+2. **the first step, run sync** (`StepFigures`): the learner's compute, the generator's compute,
+   the waits on rewards, tools and environments, the engine's batch;
+3. **a prediction for each staleness k in {0, 1, 2, 4}** (up to `buffer.max_staleness`;
+   `Model.step_s`), each weighed by k's steps-to-target ratio r(k); the one with the least
+   predicted time to target (`step x r(k)`) is chosen (`decide`), async only if `MARGIN` times
+   better than sync;
+4. **the first async steps confirm it** (`Model.confirmed`): the one that fills the pipeline
+   and re-pins the threads, and the one after. The learner's cost per token and the engine's
+   rate on their shares, each the better of the two steps (the first learner step at a new
+   thread count and the fill's burst of prompts measured 1.5-2.5x a steady step), replace the
+   assumed ones, and the choice is made again on the corrected model. It falls back to sync
+   there only if sync is then predicted sooner (no margin: staying costs nothing, switching
+   back a step).
+Then it keeps checking: a step `OFF_BY` away from its prediction, per sample drawn
+(`scaled_step_s`: a task being solved draws more groups per step), `OFF_STEPS` times in a row
+(a tool got slower, generations got longer) makes it decide again: from the last sync steps
+if it is sync, after `REMEASURE_STEPS` sync steps if it is async.
+
+The model of an async step at staleness k, with the shared cores split between the halves
+(the learner trains step n while the generator makes step n+1's groups, up to k + 1 steps'
+worth of groups in flight, whose waits overlap each other and the learner):
+
+    gen(k)   = sync's generator compute x useful share x rate(sync batch) / rate_share(batch x (k+1))
+    async(k) = max(learner x learner share cost, gen(k), (gen(k) + waits) / (k + 1)) + other
+
+where the halves cannot be split (one GPU for both) their compute adds up and only waits hide:
+
+    async(k) = max(learner + gen(k), (gen(k) + waits) / (k + 1)) + other
+
+"useful share" is the part of sync's generator compute that went to groups it trained: sync
+aborts the groups still generating when a step starts, async keeps them.
+"""
+
+from __future__ import annotations
+
+from .decide import (CANDIDATES, MARGIN, OFF_BY, OFF_STEPS, REMEASURE_STEPS, Choice, Mode, async_still_sooner,
+                     candidates, decide, initial_choice, off_prediction, scaled_step_s)
+from .measured import EngineCurve, StepFigures
+from .predict import LEARNER_SPLIT_SLOWDOWN, Model, Prediction, predict
+
+__all__ = ["CANDIDATES", "LEARNER_SPLIT_SLOWDOWN", "MARGIN", "OFF_BY", "OFF_STEPS", "REMEASURE_STEPS", "Choice",
+           "EngineCurve", "Mode", "Model", "Prediction", "StepFigures", "async_still_sooner", "candidates", "decide",
+           "initial_choice", "off_prediction", "predict", "scaled_step_s"]

@@ -1,0 +1,113 @@
+"""What auto measures: a step's time split (`StepFigures`, read from its row) and the engine's
+decode throughput by batch (`EngineCurve`, calibrated at start-up)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+ABORTED_SHARE = 0.5  # a group aborted mid-generation had made about half its tokens
+# keys that checkpoints of earlier versions wrote and no decision reads any more
+RETIRED_KEYS = frozenset({"learner_cpu_s"})
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """What auto reads of a step row (`orchestrator.rows.step_row`), by name: a renamed key fails
+    here, loudly, instead of reading as zero."""
+
+    step_s: float  # the step's wall clock
+    learner_s: float  # the learner's compute
+    gen_compute_s: float  # the engine's busy time
+    wait_s: float  # the generator idle while everything in flight waited (reward, tool, env)
+    engine_batch: float | None  # sequences in flight per engine step (None: not counted)
+    engine_steps: float  # engine steps during the step
+    samples: int  # trained
+    groups: int  # trained
+    samples_pulled: int  # taken from the buffer for the step (flat groups too)
+    aborted_groups: int  # groups aborted mid-generation during the step
+    learner_tokens: int = 0  # the tokens the learner computed on (trained and padding)
+
+    @classmethod
+    def of_row(cls, row: dict[str, Any], aborted_groups: int = 0) -> "StepFigures":
+        waits = row["gen_idle_reward_s"] + row["gen_idle_tool_s"] + row["gen_idle_env_s"]
+        return cls(float(row["step_s"]), float(row["learner_s"]), float(row["gen_compute_s"]), float(waits),
+                   row["engine_running_mean"], float(row["engine_steps"]), int(row["samples"]), int(row["groups"]),
+                   int(row["samples_pulled"]), aborted_groups, int(row["tokens_trained"]) + int(row["padded_tokens"]))
+
+    @classmethod
+    def mean(cls, steps: list["StepFigures"]) -> "StepFigures":
+        n = len(steps)
+        batches = [s.engine_batch for s in steps if s.engine_batch is not None]
+        def mean(name: str) -> float:
+            return sum(getattr(s, name) for s in steps) / n
+
+        return cls(mean("step_s"), mean("learner_s"), mean("gen_compute_s"), mean("wait_s"),
+                   sum(batches) / len(batches) if batches else None, mean("engine_steps"), round(mean("samples")),
+                   round(mean("groups")), round(mean("samples_pulled")), round(mean("aborted_groups")),
+                   round(mean("learner_tokens")))
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "StepFigures":
+        """From a checkpoint (`dataclasses.asdict`); keys an earlier version wrote and nothing
+        reads any more are dropped, any other unknown key fails."""
+        return cls(**{k: v for k, v in data.items() if k not in RETIRED_KEYS})
+
+    @property
+    def other_s(self) -> float:
+        """Bookkeeping, the hand-off, starting the next groups: an async step pays it too."""
+        return max(0.0, self.step_s - self.learner_s - self.gen_compute_s - self.wait_s)
+
+    @property
+    def useful_share(self) -> float:
+        """The share of the generator's compute that went to groups the step took (the rest
+        went to groups aborted mid-generation)."""
+        if self.groups <= 0 or self.samples <= 0:
+            return 1.0
+        pulled_groups = self.samples_pulled * self.groups / self.samples
+        return pulled_groups / (pulled_groups + ABORTED_SHARE * self.aborted_groups)
+
+    @property
+    def engine_rate(self) -> float | None:
+        """Sequence-steps (about tokens) per busy second, from the engine's own counts."""
+        if self.engine_batch is None or self.engine_steps <= 0 or self.gen_compute_s <= 0:
+            return None
+        return self.engine_batch * self.engine_steps / self.gen_compute_s
+
+
+@dataclass(frozen=True)
+class EngineCurve:
+    """Decode throughput (tokens per busy second) by batch (sequences in flight), on every core
+    and on the generator's share of them (`split`; empty where the run cannot split)."""
+
+    every: tuple[tuple[int, float], ...]
+    split: tuple[tuple[int, float], ...] = ()
+    seconds: float = 0.0
+
+    def rate(self, batch: float, on_share: bool) -> float:
+        """Interpolated in log(batch); flat past the measured batches. A split batch beyond the
+        split points takes the every-core curve times the split's measured ratio."""
+        points = self.split if on_share and self.split else self.every
+        rate = _interpolate(points, batch)
+        if on_share and self.split and batch > self.split[-1][0]:
+            rate = _interpolate(self.every, batch) * self.split[-1][1] / _interpolate(self.every, self.split[-1][0])
+        return rate
+
+    def describe(self) -> str:
+        every = ", ".join(f"{b}: {r:.0f}" for b, r in self.every)
+        split = (f"; on the generator's share: " + ", ".join(f"{b}: {r:.0f}" for b, r in self.split)) if self.split else ""
+        return f"tokens/s by batch {every}{split} ({self.seconds:.1f}s)"
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], batch: float) -> float:
+    if not points:
+        return 1.0
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, r0), (b1, r1) in zip(points, points[1:]):
+        if batch <= b1:
+            t = (math.log(batch) - math.log(b0)) / (math.log(b1) - math.log(b0))
+            return r0 + t * (r1 - r0)
+    return points[-1][1]
+
