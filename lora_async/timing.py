@@ -182,9 +182,14 @@ class CallTimes:
         return 0.0
 
 
+def call_key(kind: Wait, quantile_name: str) -> str:
+    """A per-call figure's key in step rows: `<kind>_wait_s_<p50|p95>`."""
+    return f"{kind.value}_wait_s_{quantile_name}"
+
+
 def call_figures(durations: dict[Wait, list[float]]) -> dict[str, float]:
     """`<kind>_wait_s_p50`, `<kind>_wait_s_p95` of the kinds with calls (exact quantiles)."""
-    return {f"{kind.value}_wait_s_{name}": quantile(values, q)
+    return {call_key(kind, name): quantile(values, q)
             for kind, values in durations.items() if values for q, name in QUANTILES}
 
 
@@ -232,7 +237,7 @@ class Waits:
             kinds = {kind: times for kind, times in self._run.items() if times.count}
             figures: dict[str, float | int] = {}
             for kind, times in kinds.items():
-                figures.update({f"{kind.value}_wait_s_{name}": times.quantile(q) for q, name in QUANTILES})
+                figures.update({call_key(kind, name): times.quantile(q) for q, name in QUANTILES})
                 figures[f"{kind.value}_wait_calls"] = times.count
         return figures
 

@@ -18,7 +18,8 @@ from lora_async.config import ConfigError, TrainConfig, load_config
 from lora_async.generator.types import GenResult, GenStatus
 from lora_async.metrics import read_metrics
 from lora_async.mode import (LEARNER_SPLIT_SLOWDOWN, Choice, EngineCurve, Mode, Model, StepFigures, candidates,
-                             async_still_sooner, decide, initial_choice, off_prediction, scaled_step_s)
+                             async_still_sooner, decide, decide_opened, implied_sync, initial_choice, off_prediction,
+                             opening_choice, scaled_step_s)
 from lora_async.orchestrator.auto_state import Auto
 from lora_async.orchestrator import train
 
@@ -131,6 +132,66 @@ def test_the_learners_calibrated_split_cost_replaces_the_assumed_one():
     again = Auto(M2PO, [0, 1, 2, 4], True, 128)
     again.restore(json.loads(json.dumps(calibrated.to_json())))
     assert again.learner_split == 1.05
+
+
+def async_step(step_s: float, learner_s: float, gen_s: float, wait_s: float = 0.0, calls_s: float = 0.0,
+               batch: float = 48.0) -> StepFigures:
+    return StepFigures(step_s=step_s, learner_s=learner_s, gen_compute_s=gen_s, wait_s=wait_s, engine_batch=batch,
+                       engine_steps=100.0, samples=32, groups=4, samples_pulled=32, aborted_groups=0,
+                       call_wait_s=calls_s)
+
+
+OPENED = Choice(Mode.ASYNC, 2, True, "opens async", "opening")
+
+
+def opened_model(share_cost: float = 1.1) -> Model:
+    # the opening's model: its `sync` is not read
+    return Model(async_step(1.0, 1.0, 1.0), True, batch_cap=128, curve=BATCHING, learner_share_cost=share_cost)
+
+
+def test_the_fastest_sync_step_an_async_step_implies():
+    step = async_step(10.0, 4.0, 9.0, wait_s=0.5, calls_s=3.0)
+    floor = implied_sync(step, 2, True, BATCHING, 1.1, 48.0)
+    # the learner on every core, the same generation at the same batch on every core, the
+    # longer of the hidden waits and one median call of each kind
+    assert floor.learner_s == pytest.approx(4.0 / 1.1)
+    assert floor.gen_compute_s == pytest.approx(9.0 * BATCHING.rate(48, True) / BATCHING.rate(48, False))
+    assert floor.wait_s == 3.0 and floor.step_s == pytest.approx(floor.learner_s + floor.gen_compute_s + 3.0)
+    # a smaller batch on every core is slower per token; halves that cannot split add up as measured
+    assert implied_sync(step, 2, True, BATCHING, 1.1, 16.0).gen_compute_s > floor.gen_compute_s
+    assert implied_sync(step, 2, False, None, 1.1, 48.0).step_s == pytest.approx(4.0 + 9.0 + 3.0)
+    # an async step whose groups were all scored during the step before made no calls: the
+    # opening's median call comes from the steps that did
+    assert StepFigures.mean([step, replace(step, call_wait_s=0.0)]).call_wait_s == 3.0
+
+
+def test_an_opening_sooner_than_any_sync_step_stays_async_without_a_sync_step():
+    # rewards wait 3 s a call: a sync step waits on one with nothing to generate meanwhile,
+    # async hides them behind the other groups in flight
+    steps = [async_step(12.0, 4.0, 9.0, calls_s=3.0), async_step(8.0, 4.0, 7.0, calls_s=3.0)]
+    choice = decide_opened(steps, OPENED, opened_model(), M2PO, [0, 1, 2, 4], 2)
+    assert choice.mode is Mode.ASYNC and choice.kind == "opened" and choice.decided_at_step == 2
+    assert choice.sync is not None and choice.sync.step_s > 10.0 * M2PO.at(2)
+    # the staleness measured predicts what it measured (the model's ratios are anchored there)
+    assert {p.staleness: p.step_s for p in choice.predictions}[2] == pytest.approx(10.0)
+    assert choice.predicted_step_s == {p.staleness: p.step_s for p in choice.predictions}[choice.staleness]
+    assert "2 async steps at k2 took 10.0s" in choice.reason
+
+
+def test_an_opening_that_a_sync_step_might_beat_measures_sync():
+    # nothing waits, the learner is most of the step, and on every core it is 1.7x as fast:
+    # sync could be sooner, so it is measured rather than guessed
+    steps = [async_step(10.0, 9.0, 6.0), async_step(10.0, 9.0, 6.0)]
+    choice = decide_opened(steps, OPENED, opened_model(1.7), M2PO, [0, 1, 2, 4], 2)
+    assert choice.mode is Mode.SYNC and choice.kind == "measure"
+    assert choice.sync is not None and choice.sync.step_s < 10.0 * M2PO.at(2)
+    assert "1 sync step measures" in choice.reason
+
+
+def test_an_auto_run_opens_async_below_the_cap():
+    assert (opening_choice([0, 1, 2, 4], True).staleness, opening_choice([0, 1], True).staleness) == (2, 1)
+    assert opening_choice([0, 1, 2, 3], False).staleness == 2
+    assert opening_choice([0, 1, 2, 4], True).mode is Mode.ASYNC
 
 
 def test_async_slower_than_predicted_but_sooner_than_sync_stays_async():
@@ -253,73 +314,80 @@ def run(cfg: TrainConfig, parts: FakeParts, resume: bool = False,
             [r for r in rows if r.get("kind") == "calibrate"])
 
 
-def test_auto_decides_after_one_sync_step_and_one_async_step_confirms(tmp_path, monkeypatch):
-    # an async reward waits without using a core, and every completion in flight waits at once
+def test_auto_opens_async_and_stays_where_rewards_wait(tmp_path, monkeypatch):
+    # an async reward waits without using a core: a sync step would wait on one with nothing to
+    # generate, async hides the waits behind the other groups in flight
     slow_reward(tmp_path, monkeypatch, delay_s=1.0)
     cfg = config(tmp_path, "switched_reward:reward")
     parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=0.17)
     summary, steps, events, calibrations = run(cfg, parts)
     assert len(calibrations) == 1 and calibrations[0]["engine_b1_tok_s"] > 0
     decisions = [(e["mode_kind"], e["step"], e["mode"]) for e in events]
-    # step 2 fills the pipeline; step 3 confirms
-    assert decisions[:2] == [("measured", 1, "async"), ("confirmed", 3, "async")]
+    # async from the first step; after the second it stays, and no sync step ever ran
+    assert decisions[:2] == [("opening", 0, "async"), ("opened", 2, "async")]
     # async stays: waits overlap more than the model assumes, so steps may beat the prediction
     # (the mark then moves to what they take), never fall behind it
     assert all(kind == "kept" and mode == "async" for kind, _, mode in decisions[2:])
     assert summary["mode"] == "async" and summary["mode_staleness"] >= 1
-    assert summary["mode_sync_wait_s"] > summary["mode_sync_learner_s"]
+    # the fastest sync step the async ones imply: it would wait a reward call (1 s)
+    assert summary["mode_sync_wait_s"] >= 1.0 > summary["mode_sync_learner_s"]
     assert [d["mode_kind"] for d in summary["mode_decisions"]] == [kind for kind, _, _ in decisions]
-    # one step on-policy; from the second on, generation ran ahead of the learner
+    # one step on-policy (nothing older exists); from the second on, generation ran ahead
     lags = [r["policy_lag_max"] for r in steps]
     assert lags[0] == 0 and max(lags[1:]) >= 1
 
 
-def test_a_confirming_step_that_disagrees_goes_back_to_sync(tmp_path, monkeypatch):
-    # waits make async look good on the assumed split cost; measured, the learner on its share
-    # of the cores takes 15x as long, and the next step is sync again
+def test_an_opening_the_learner_cannot_afford_measures_sync_and_stays_sync(tmp_path, monkeypatch):
+    # the learner on its share of the cores takes 15x as long: the opening's async steps are
+    # slower than a sync step might be, 2 sync steps measure, and the model, corrected by what
+    # the async steps measured (no assumed split cost, no confirming async steps), keeps sync
     slow_reward(tmp_path, monkeypatch, delay_s=0.3)
     cfg = config(tmp_path, "switched_reward:reward")
     parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=1.5)
     summary, steps, events, _ = run(cfg, parts)
     decisions = [(e["mode_kind"], e["mode"], e["step"]) for e in events]
-    assert decisions[:2] == [("measured", "async", 1), ("reverted", "sync", 3)]
+    assert decisions[:3] == [("opening", "async", 0), ("measure", "sync", 2), ("measured", "sync", 4)]
     # a later check may decide again from the sync steps it sees; it keeps what was measured
-    assert all(kind == "re-decided" and mode == "sync" for kind, mode, _ in decisions[2:])
+    assert all(kind == "re-decided" and mode == "sync" for kind, mode, _ in decisions[3:])
     assert summary["mode"] == "sync"
-    # after the decision: on-policy again, and the learner back on every core (0.1 s steps)
-    assert all(r["policy_lag_max"] == 0 for r in steps[4:])
-    assert all(r["learner_s"] < 1.0 for r in steps[4:])
+    # sync from step 3: on-policy again, and the learner back on every core (0.1 s steps)
+    assert all(r["policy_lag_max"] == 0 for r in steps[3:])
+    assert all(r["learner_s"] < 1.0 for r in steps[2:])
 
 
-def test_nothing_waits_and_the_split_costs_stays_sync_with_no_async_step(tmp_path, monkeypatch):
+def test_nothing_waits_and_the_split_costs_goes_sync_after_two_async_steps(tmp_path, monkeypatch):
     slow_reward(tmp_path, monkeypatch, delay_s=0.0, from_start=False)
     cfg = config(tmp_path, "switched_reward:reward")
     summary, steps, events, _ = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=0.3))
-    assert [(e["mode_kind"], e["mode"], e["step"]) for e in events] == [("measured", "sync", 1)]
-    assert all(r["policy_lag_max"] == 0 for r in steps)
+    assert [(e["mode_kind"], e["mode"], e["step"]) for e in events] == [
+        ("opening", "async", 0), ("measure", "sync", 2), ("measured", "sync", 4)]
+    assert summary["mode"] == "sync" and all(r["policy_lag_max"] == 0 for r in steps[3:])
 
 
 def test_steps_that_drift_from_the_prediction_make_auto_decide_again(tmp_path, monkeypatch):
-    # the first steps wait on nothing (sync); from step 3 every reward call waits 1 s, so sync
-    # steps take several times the predicted time, and after 3 of them auto decides again
+    # the first steps wait on nothing (sync from step 3, measured at 4); from step 6 every
+    # reward call waits 1 s, so sync steps take several times the predicted time, and after 3
+    # of them auto decides again; that async choice is then confirmed by 2 async steps
     flag = slow_reward(tmp_path, monkeypatch, delay_s=1.0, from_start=False)
     cfg = config(tmp_path, "switched_reward:reward")
-    cfg.run.max_steps = 10
+    cfg.run.max_steps = 12
 
     def at_step(run_state) -> None:
-        if run_state.global_step == 2:
+        if run_state.global_step == 5:
             flag.touch()
 
     parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=0.17)
     summary, steps, events, _ = run(cfg, parts, on_step=at_step)
     kinds = [(e["mode_kind"], e["mode"]) for e in events]
-    assert kinds[:2] == [("measured", "sync"), ("re-decided", "async")]
-    redecided = events[1]
+    assert kinds[:5] == [("opening", "async"), ("measure", "sync"), ("measured", "sync"), ("re-decided", "async"),
+                         ("confirmed", "async")]
+    redecided = events[3]
     assert "3 steps took" in redecided["mode_reason"]
-    # three slow sync steps and then the decision, not later: steps 3-5, or 4-6 where step 3's
+    # three slow sync steps and then the decision, not later: steps 6-8, or 7-9 where step 6's
     # groups were scored before the flag appeared (producers wake before `on_step` runs)
-    assert redecided["step"] in (5, 6)
-    assert max(r["policy_lag_max"] for r in steps[5:]) >= 1
+    assert redecided["step"] in (8, 9)
+    assert events[4]["step"] == redecided["step"] + 2
+    assert max(r["policy_lag_max"] for r in steps[redecided["step"]:]) >= 1
 
 
 def test_a_resumed_auto_run_keeps_its_choice_and_does_not_measure_again(tmp_path, monkeypatch):
@@ -337,7 +405,7 @@ def test_a_resumed_auto_run_keeps_its_choice_and_does_not_measure_again(tmp_path
     assert (resumed[0]["mode_kind"], resumed[0]["mode"], resumed[0]["step"]) == ("resumed", "async", 4)
     assert all(e["mode_kind"] == "kept" for e in resumed[1:])  # only ever faster than predicted
     assert resumed[0]["mode_staleness"] == first["mode_staleness"]
-    assert [d["mode_kind"] for d in summary["mode_decisions"]][:3] == ["measured", "confirmed", "resumed"]
+    assert [d["mode_kind"] for d in summary["mode_decisions"]][:3] == ["opening", "opened", "resumed"]
     # no sync step after the resume: generation runs ahead from its first step on
     after = [r for r in steps if r["step"] > 4]
     assert len(after) == 4 and max(r["policy_lag_max"] for r in after) >= 1
@@ -373,4 +441,4 @@ def test_a_calibration_the_engine_refuses_is_said_once_and_auto_still_decides(tm
     rows = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")
     calibrations = [r for r in rows if r.get("kind") == "calibrate"]
     assert len(calibrations) == 1 and not any(k.startswith("engine_") for k in calibrations[0])
-    assert [r["mode_kind"] for r in rows if r.get("kind") == "mode"][:1] == ["measured"]
+    assert [r["mode_kind"] for r in rows if r.get("kind") == "mode"][:2] == ["opening", "opened"]

@@ -9,13 +9,18 @@ Where the learner has a device of its own (another GPU, remote generators), an a
 async from the start. Where the two halves share compute, it decides from what it measures:
 1. **the engine and the learner, in seconds** (`EngineCurve`, at start-up): decode throughput at
    a few batch sizes on every core, and on the generator's share where an async run would split
-   them,
-   and the learner's speed per token on every core and on its share (`learner/probe.py`);
-2. **the first step, run sync** (`StepFigures`): the learner's compute, the generator's compute,
-   the waits on rewards, tools and environments, the engine's batch;
-3. **a prediction for each staleness k in {0, 1, 2, 4}** (up to `buffer.max_staleness`;
-   `Model.step_s`), each weighed by k's steps-to-target ratio r(k); the one with the least
-   predicted time to target (`step x r(k)`) is chosen (`decide`), async only if `MARGIN` times
+   them, and the learner's speed per token on every core and on its share (`learner/probe.py`);
+2. **the first `OPEN_STEPS` steps, run async** at `OPEN_STALENESS` (`opening_choice`): from
+   their time split (`StepFigures`) follows the fastest a sync step could be (`implied_sync`:
+   the learner on every core, the generation on every core at the same batch, the waits async
+   could not hide). Async that reaches the target sooner than that, after lag's cost, stays,
+   at the staleness the model's ratios favour (`decide_opened`); the sync step it would first
+   have run to measure cost every run one slow step on tasks solved in 4-6;
+3. otherwise **a sync step measures** (`StepFigures`: the learner's compute, the generator's
+   compute, the waits on rewards, tools and environments, the engine's batch), and **a
+   prediction for each staleness k in {0, 1, 2, 4}** (up to `buffer.max_staleness`;
+   `Model.step_s`), each weighed by k's steps-to-target ratio r(k), picks the one with the
+   least predicted time to target (`step x r(k)`; `decide`), async only if `MARGIN` times
    better than sync;
 4. **the first async steps confirm it** (`Model.confirmed`): the one that fills the pipeline
    and re-pins the threads, and the one after. The learner's cost per token and the engine's
@@ -46,11 +51,13 @@ aborts the groups still generating when a step starts, async keeps them.
 
 from __future__ import annotations
 
-from .decide import (CANDIDATES, MARGIN, OFF_BY, OFF_STEPS, REMEASURE_STEPS, Choice, Mode, async_still_sooner,
-                     candidates, decide, initial_choice, off_prediction, scaled_step_s)
+from .decide import (CANDIDATES, MARGIN, OFF_BY, OFF_STEPS, OPEN_STALENESS, OPEN_STEPS, REMEASURE_STEPS, Choice, Mode,
+                     async_still_sooner, candidates, decide, decide_opened, initial_choice, off_prediction,
+                     opening_choice, scaled_step_s)
 from .measured import EngineCurve, StepFigures
-from .predict import LEARNER_SPLIT_SLOWDOWN, Model, Prediction, predict
+from .predict import LEARNER_SPLIT_SLOWDOWN, Model, Prediction, implied_sync, predict
 
-__all__ = ["CANDIDATES", "LEARNER_SPLIT_SLOWDOWN", "MARGIN", "OFF_BY", "OFF_STEPS", "REMEASURE_STEPS", "Choice",
-           "EngineCurve", "Mode", "Model", "Prediction", "StepFigures", "async_still_sooner", "candidates", "decide",
-           "initial_choice", "off_prediction", "predict", "scaled_step_s"]
+__all__ = ["CANDIDATES", "LEARNER_SPLIT_SLOWDOWN", "MARGIN", "OFF_BY", "OFF_STEPS", "OPEN_STALENESS", "OPEN_STEPS",
+           "REMEASURE_STEPS", "Choice", "EngineCurve", "Mode", "Model", "Prediction", "StepFigures",
+           "async_still_sooner", "candidates", "decide", "decide_opened", "implied_sync", "initial_choice",
+           "off_prediction", "opening_choice", "predict", "scaled_step_s"]

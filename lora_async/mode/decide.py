@@ -4,18 +4,22 @@ that make it (`decide`, `initial_choice`) and that check it step by step (`off_p
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import Any
 
 from ..lag_cost import LagCosts
 from .measured import StepFigures
-from .predict import Model, Prediction, predict
+from .predict import Model, Prediction, implied_sync, predict
 
 CANDIDATES = (0, 1, 2, 4)  # the staleness values auto weighs (capped by buffer.max_staleness)
 MARGIN = 1.05  # async must be predicted this many times sooner to the target than sync
 OFF_BY = 0.25  # a step this far from its prediction ...
 OFF_STEPS = 3  # ... this many times in a row: decide again
+# An auto run opens async at this staleness (or max_staleness where lower): the generator a step
+# or two ahead, and room on either side for the model to move it
+OPEN_STALENESS = 2
+OPEN_STEPS = 2  # the one that fills the pipeline, and one more
 REMEASURE_STEPS = 2  # an async run that decides again runs sync this long; the last one measures
 
 
@@ -33,7 +37,8 @@ class Choice:
     staleness: int
     split: bool
     reason: str
-    kind: str = "pinned"  # pinned | measured | confirmed | reverted | re-measure | re-decided | resumed
+    # pinned | opened | measure | measured | confirmed | reverted | re-measure | re-decided | kept | resumed
+    kind: str = "pinned"
     decided_at_step: int = 0
     predicted_step_s: float | None = None  # what the steps in this mode should take (the monitor's mark)
     predictions: tuple[Prediction, ...] = ()
@@ -103,7 +108,8 @@ def decide(model: Model, lags: list[int], costs: LagCosts, kind: str, at_step: i
 def initial_choice(mode: str, max_staleness: int, shared: bool, split: bool) -> Choice | None:
     """The choice before any step: what the config pins (`buffer.mode` sync or async, or
     max_staleness 0), async where the learner does not share compute with the generator
-    (`shared` False), or None: an auto run on shared compute measures first. `split`: a pinned
+    (`shared` False), or None: an auto run on shared compute calibrates, then opens async
+(`opening_choice`). `split`: a pinned
     async run's placement gave each half its own cores."""
     if mode == "sync" or max_staleness == 0:
         return Choice(Mode.SYNC, 0, False, "pinned by buffer.mode" if mode == "sync" else "buffer.max_staleness = 0")
@@ -112,6 +118,14 @@ def initial_choice(mode: str, max_staleness: int, shared: bool, split: bool) -> 
     if not shared:
         return Choice(Mode.ASYNC, max_staleness, False, "the learner has a device of its own (nothing is shared)")
     return None
+
+
+def opening_choice(lags: list[int], split: bool) -> Choice:
+    """Where an auto run on shared compute starts: async, at `OPEN_STALENESS` or the largest
+    staleness allowed below it; its first steps then decide (`decide_opened`)."""
+    k = max(k for k in lags if k <= max(OPEN_STALENESS, min(k for k in lags if k > 0)))
+    return Choice(Mode.ASYNC, k, split, f"opens async at k{k}; its first {OPEN_STEPS} steps say whether sync could "
+                  "be sooner", "opening", 0)
 
 
 def off_prediction(predicted: float | None, measured: float) -> bool:
@@ -143,3 +157,29 @@ def async_still_sooner(choice: Choice, measured_s: float, costs: LagCosts) -> st
         return None
     return (f"x{costs.at(choice.staleness):.2f} for lag still {choice.sync.step_s / to_target:.2f}x sooner than the "
             f"sync step measured ({choice.sync.step_s:.1f}s)")
+
+
+def decide_opened(steps: list[StepFigures], opened: Choice, model: Model, costs: LagCosts, lags: list[int],
+                  at: int) -> Choice:
+    """After the async steps an auto run opened with (`steps`, at `opened.staleness`; `model`
+    gives the split, the batch cap, the curve and the learner's cost on its share; its `sync`
+    is not read): async stays, at the staleness the model's ratios favour, where it reaches
+    the target sooner than even the fastest sync step they imply; otherwise a sync step
+    measures what sync costs (`kind` "measure")."""
+    k0, mean = opened.staleness, StepFigures.mean(steps)
+    floor = implied_sync(mean, k0, model.split, model.curve, model.learner_share_cost, mean.engine_batch)
+    took = (f"{len(steps)} async steps at k{k0} took {mean.step_s:.1f}s (x{costs.at(k0):.2f} for lag); "
+            f"the fastest sync step they imply: {floor.step_s:.1f}s")
+    if mean.step_s * costs.at(k0) >= floor.step_s:
+        return Choice(Mode.SYNC, 0, False, f"{took}: 1 sync step measures", "measure", at, floor.step_s, (), floor)
+    # the other staleness values from the model's ratios to k0, anchored at what k0 measured
+    batch = mean.engine_batch / (k0 + 1) if mean.engine_batch is not None else None
+    ratios = replace(model, sync=implied_sync(mean, k0, model.split, model.curve, model.learner_share_cost, batch))
+    anchor = mean.step_s / ratios.step_s(k0) if ratios.step_s(k0) > 0 else 1.0
+    predictions = (Prediction(0, floor.step_s, costs.at(0)),
+                   *(Prediction(k, ratios.step_s(k) * anchor, costs.at(k)) for k in lags if k > 0))
+    best = min(predictions[1:], key=lambda p: (p.to_target, p.staleness))
+    table = ", ".join(f"k{p.staleness} {p.step_s:.1f}s x{p.lag_cost:.2f}" for p in predictions[1:])
+    return Choice(Mode.ASYNC, best.staleness, opened.split,
+                  f"{took}: async sooner; predicted {table}: k{best.staleness}", "opened", at, best.step_s,
+                  predictions, floor)

@@ -7,9 +7,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..timing import Wait, call_key
+
 ABORTED_SHARE = 0.5  # a group aborted mid-generation had made about half its tokens
 # keys that checkpoints of earlier versions wrote and no decision reads any more
 RETIRED_KEYS = frozenset({"learner_cpu_s"})
+CALLS = (Wait.REWARD, Wait.TOOL, Wait.ENV)  # what a rollout calls and waits on
 
 
 @dataclass(frozen=True)
@@ -28,25 +31,32 @@ class StepFigures:
     samples_pulled: int  # taken from the buffer for the step (flat groups too)
     aborted_groups: int  # groups aborted mid-generation during the step
     learner_tokens: int = 0  # the tokens the learner computed on (trained and padding)
+    # a median call of each kind the step's rollouts waited on (reward, tool, env), summed:
+    # one of each is on a sync step's path with nothing to hide it
+    call_wait_s: float = 0.0
 
     @classmethod
     def of_row(cls, row: dict[str, Any], aborted_groups: int = 0) -> "StepFigures":
         waits = row["gen_idle_reward_s"] + row["gen_idle_tool_s"] + row["gen_idle_env_s"]
+        # a kind's figures are in the row only where the step's rollouts made such calls
+        calls = sum(float(row.get(call_key(kind, "p50"), 0.0)) for kind in CALLS)
         return cls(float(row["step_s"]), float(row["learner_s"]), float(row["gen_compute_s"]), float(waits),
                    row["engine_running_mean"], float(row["engine_steps"]), int(row["samples"]), int(row["groups"]),
-                   int(row["samples_pulled"]), aborted_groups, int(row["tokens_trained"]) + int(row["padded_tokens"]))
+                   int(row["samples_pulled"]), aborted_groups, int(row["tokens_trained"]) + int(row["padded_tokens"]),
+                   calls)
 
     @classmethod
     def mean(cls, steps: list["StepFigures"]) -> "StepFigures":
         n = len(steps)
         batches = [s.engine_batch for s in steps if s.engine_batch is not None]
+        calls = [s.call_wait_s for s in steps if s.call_wait_s > 0]  # an async step may make no calls
         def mean(name: str) -> float:
             return sum(getattr(s, name) for s in steps) / n
 
         return cls(mean("step_s"), mean("learner_s"), mean("gen_compute_s"), mean("wait_s"),
                    sum(batches) / len(batches) if batches else None, mean("engine_steps"), round(mean("samples")),
                    round(mean("groups")), round(mean("samples_pulled")), round(mean("aborted_groups")),
-                   round(mean("learner_tokens")))
+                   round(mean("learner_tokens")), sum(calls) / len(calls) if calls else 0.0)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "StepFigures":

@@ -95,3 +95,20 @@ class Prediction:
 def predict(model: Model, lags: list[int], costs: LagCosts) -> tuple[Prediction, ...]:
     return tuple(Prediction(k, model.step_s(k), costs.at(k)) for k in lags)
 
+
+
+def implied_sync(step: StepFigures, staleness: int, split: bool, curve: EngineCurve | None,
+                 learner_share_cost: float, batch: float | None) -> StepFigures:
+    """The sync step an async step at `staleness` implies, with its engine at `batch`: the
+    learner on every core (its step over the share's cost), the step's generation on every core
+    at `batch`, waits, and the rest as measured. The waits: what the async step could not hide,
+    or a median call of each kind its rollouts made (a sync step's last rollouts wait on theirs
+    with nothing left to generate), the longer. At the async step's own batch (sync never runs a
+    larger one) this is the fastest a sync step could be."""
+    gen = step.gen_compute_s
+    if curve is not None and step.engine_batch is not None and batch is not None:
+        gen *= curve.rate(step.engine_batch, split) / curve.rate(batch, False)
+    learner = step.learner_s / learner_share_cost if split else step.learner_s
+    waits = max(step.wait_s, step.call_wait_s)
+    return StepFigures(learner + gen + waits + step.other_s, learner, gen, waits, batch, step.engine_steps,
+                       step.samples, step.groups, step.samples_pulled, 0, step.learner_tokens, step.call_wait_s)

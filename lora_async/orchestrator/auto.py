@@ -3,6 +3,13 @@ measures (`calibrate`, then `observe` on every step row), and applied in one pla
 (`apply_choice`). The model and the decision rules are `lora_async/mode/`.
 
 An auto run on shared compute goes through phases (`Auto.phase`):
+- OPEN: it starts async (`opening_choice`); after `OPEN_STEPS` steps, `decide_opened` keeps
+  async (at the staleness the model favours) where it is sooner to the target than even the
+  fastest sync step those steps imply, and otherwise turns sync: `REMEASURE_STEPS` steps, the
+  last measured, and the opening's steps correct the model as confirming ones would, so a
+  choice of async then is not confirmed again. (Auto used to start with a sync step to
+  measure: on the sandbox at 0 s that step took 30-37 s against pinned async's first 16-34 s,
+  and the auto runs reached the target 11-37 s after pinned async; bench/RESULTS.md 22c.)
 - MEASURE: sync steps; the last of `Auto.measure_steps` is the measurement, and `decide` picks;
 - CONFIRM: the async steps after a choice of async: the first fills the pipeline (and its
   learner step is the first at the new thread count); after the second `Model.confirmed`
@@ -36,11 +43,12 @@ from typing import TYPE_CHECKING, Any
 from .. import lag_cost
 from ..generator.types import GenRequest, GenStatus
 from ..learner import probe
-from ..mode import (LEARNER_SPLIT_SLOWDOWN, OFF_STEPS, REMEASURE_STEPS, Choice, EngineCurve, Mode, StepFigures, candidates, decide,
-                    async_still_sooner, initial_choice, off_prediction, scaled_step_s)
+from ..mode import (LEARNER_SPLIT_SLOWDOWN, OFF_STEPS, OPEN_STEPS, REMEASURE_STEPS, Choice, EngineCurve, Mode, Model,
+                    StepFigures, async_still_sooner, candidates, decide, decide_opened, initial_choice, off_prediction,
+                    opening_choice, scaled_step_s)
 from ..placement import Placement, available_cpus, pin_current_thread, shares_compute, split_placements
 from ..staleness import StalenessWindow
-from .auto_state import CONFIRM, MEASURE, WATCH, Auto
+from .auto_state import CONFIRM, MEASURE, OPEN, WATCH, Auto
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -72,9 +80,10 @@ def start_mode(config: "TrainConfig", resumed: dict[str, Any] | None = None) -> 
                                      kind="resumed")
             return resumed_choice, auto, resumed_choice.describe()
         auto = Auto(costs, lags, auto.split, auto.batch_cap)  # the window shrank: measure again
-    return None, auto, (f"auto: engine and learner calibration, then 1 sync step measures; it predicts a step at "
-                        f"staleness {', '.join(map(str, lags))} weighed by lag's cost in steps "
-                        f"({costs.describe(lags)}), and the first 2 async steps confirm")
+    return None, auto, (f"auto: engine and learner calibration, then {OPEN_STEPS} async steps measure; async stays "
+                        f"where it is sooner than the fastest sync step they imply, at the staleness out of "
+                        f"{', '.join(map(str, lags))} predicted soonest after lag's cost in steps "
+                        f"({costs.describe(lags)}); otherwise 1 sync step measures and decides")
 
 
 def start_window(choice: Choice | None) -> StalenessWindow:
@@ -83,13 +92,15 @@ def start_window(choice: Choice | None) -> StalenessWindow:
 
 async def begin(run: "Run") -> None:
     """Before training: a resumed auto run puts its choice back in force; one that has not
-    decided calibrates the engine."""
+    decided calibrates the engine and the learner, and opens async."""
     if run.auto is not None:
         run.auto.aborted_seen = sum(a.counters.aborted_stale for a in run.adapters.values())
     if run.choice is not None and run.choice.kind == "resumed":
         await apply_choice(run, run.choice)
-    else:
-        await calibrate(run)
+        return
+    await calibrate(run)
+    if run.auto is not None and run.choice is None:
+        await settle(run, opening_choice(run.auto.lags, run.auto.split), phase=OPEN)
 
 
 async def calibrate(run: "Run") -> None:
@@ -176,12 +187,27 @@ async def observe(run: "Run", row: dict[str, Any]) -> None:
     auto.aborted_seen = aborted
     auto.recent = (auto.recent + [step])[-OFF_STEPS:]
     at = run.global_step
+    if auto.phase == OPEN and run.choice is not None:
+        auto.confirming.append(step)
+        if len(auto.confirming) < OPEN_STEPS:
+            return
+        opened = Model(step, auto.split, auto.batch_cap, auto.curve, learner_share_cost=auto.share_cost)
+        choice = decide_opened(auto.confirming, run.choice, opened, auto.costs, auto.lags, at)
+        assert choice.sync is not None
+        auto.model = replace(opened, sync=choice.sync)  # sync's floor, until a sync step measures it
+        if choice.synchronous:  # the first sync step still trains groups the async ones made
+            auto.measure_steps, auto.measured, auto.opened = REMEASURE_STEPS, 0, list(auto.confirming)
+        await settle(run, choice, phase=MEASURE if choice.synchronous else WATCH)
+        return
     if auto.phase == MEASURE:
         auto.measured += 1
         if auto.measured >= auto.measure_steps:
             auto.model = auto.measure(step)
-            kind = "measured" if not auto.decisions else "re-decided"
-            await settle(run, decide(auto.model, auto.lags, auto.costs, kind, at), confirm=True)
+            if auto.opened:  # the opening's async steps already confirm (module docstring)
+                auto.model = auto.model.confirmed(auto.opened)
+            kind = "re-decided" if any(d["mode_kind"] == "measured" for d in auto.decisions) else "measured"
+            await settle(run, decide(auto.model, auto.lags, auto.costs, kind, at), confirm=not auto.opened)
+            auto.opened = []
         return
     assert run.choice is not None and auto.model is not None
     if auto.phase == CONFIRM:
@@ -216,13 +242,14 @@ async def observe(run: "Run", row: dict[str, Any]) -> None:
                                    "re-measure", at))
 
 
-async def settle(run: "Run", choice: Choice, confirm: bool, why: str = "") -> None:
-    """Put a decision in force; an async one made from sync steps is confirmed by the next step."""
+async def settle(run: "Run", choice: Choice, confirm: bool = False, why: str = "", phase: str | None = None) -> None:
+    """Put a decision in force and move to `phase` (by default: an async choice made from sync
+    steps is confirmed by the next ones where `confirm`, anything else is watched)."""
     auto = run.auto
     assert auto is not None
     if why:
         choice = replace(choice, reason=f"{why}; {choice.reason}")
-    auto.phase = CONFIRM if confirm and not choice.synchronous else WATCH
+    auto.phase = phase or (CONFIRM if confirm and not choice.synchronous else WATCH)
     auto.confirming = []
     await apply_choice(run, choice)
 

@@ -10,7 +10,7 @@ from typing import Any
 from ..lag_cost import LagCosts
 from ..mode import LEARNER_SPLIT_SLOWDOWN, EngineCurve, Model, StepFigures
 
-MEASURE, CONFIRM, WATCH = "measure", "confirm", "watch"
+OPEN, MEASURE, CONFIRM, WATCH = "open", "measure", "confirm", "watch"
 
 
 @dataclass
@@ -24,10 +24,13 @@ class Auto:
     curve: EngineCurve | None = None
     learner_split: float | None = None  # the learner's step on its share / on every core (calibrated)
     model: Model | None = None
-    phase: str = MEASURE
+    phase: str = OPEN
     measure_steps: int = 1  # sync steps to run before deciding; the last one is measured
     measured: int = 0
-    confirming: list[StepFigures] = field(default_factory=list)  # CONFIRM: the async steps so far
+    confirming: list[StepFigures] = field(default_factory=list)  # OPEN, CONFIRM: the async steps so far
+    # the opening's async steps, where sync then measures: they correct the model as confirming
+    # steps would (the learner on its share, the engine's rate), so async needs no confirming
+    opened: list[StepFigures] = field(default_factory=list)
     recent: list[StepFigures] = field(default_factory=list)  # the last OFF_STEPS steps
     off_streak: int = 0
     aborted_seen: int = 0  # the adapters' aborted-group counters at the last row
@@ -37,9 +40,13 @@ class Auto:
         """A model from a new sync measurement; what a confirming step measured (the learner's
         cost on its share, the engine's rate) carries over."""
         if self.model is None:
-            return Model(sync, self.split, self.batch_cap, self.curve,
-                         learner_share_cost=self.learner_split or LEARNER_SPLIT_SLOWDOWN)
+            return Model(sync, self.split, self.batch_cap, self.curve, learner_share_cost=self.share_cost)
         return replace(self.model, sync=sync)
+
+    @property
+    def share_cost(self) -> float:
+        """The learner's step on its share of the cores over its step on every core."""
+        return self.learner_split or LEARNER_SPLIT_SLOWDOWN
 
     def to_json(self) -> dict[str, Any]:
         return {"phase": self.phase, "curve": asdict(self.curve) if self.curve else None,
@@ -54,7 +61,8 @@ class Auto:
         if model is not None:
             self.model = Model(**{**model, "sync": StepFigures.from_json(model["sync"]), "curve": self.curve})
         self.learner_split = data.get("learner_split")
-        self.phase = WATCH if data.get("phase") != MEASURE else MEASURE
+        # a run stopped while it opened or confirmed watches its choice (the model is saved)
+        self.phase = MEASURE if data.get("phase") == MEASURE else WATCH if self.model is not None else OPEN
         self.decisions = list(data.get("decisions", []))
 
 
