@@ -144,9 +144,9 @@ class LearnerConfig(Section):
 
 class BufferConfig(Section):
     mode: Literal["auto", "async", "sync"] = Field(
-        "auto", description="'auto': it calibrates the engine and the learner, measures one sync step, predicts each "
-                            "staleness's time to target and confirms async with two steps, then keeps checking "
-                            "(lora_async/mode/); "
+        "auto", description="'auto': it calibrates the engine and the learner, opens async, and keeps it where its "
+                            "first 2 steps beat the fastest sync step they imply; otherwise 2 sync steps measure and "
+                            "it predicts each staleness's time to target; then it keeps checking (lora_async/mode/); "
                             "'async' or 'sync' pins it.",
     )
     max_tokens: int = Field(

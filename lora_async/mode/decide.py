@@ -164,22 +164,27 @@ def decide_opened(steps: list[StepFigures], opened: Choice, model: Model, costs:
     """After the async steps an auto run opened with (`steps`, at `opened.staleness`; `model`
     gives the split, the batch cap, the curve and the learner's cost on its share; its `sync`
     is not read): async stays, at the staleness the model's ratios favour, where it reaches
-    the target sooner than even the fastest sync step they imply; otherwise a sync step
-    measures what sync costs (`kind` "measure")."""
-    k0, mean = opened.staleness, StepFigures.mean(steps)
-    floor = implied_sync(mean, k0, model.split, model.curve, model.learner_share_cost, mean.engine_batch)
-    took = (f"{len(steps)} async steps at k{k0} took {mean.step_s:.1f}s (x{costs.at(k0):.2f} for lag); "
-            f"the fastest sync step they imply: {floor.step_s:.1f}s")
-    if mean.step_s * costs.at(k0) >= floor.step_s:
-        return Choice(Mode.SYNC, 0, False, f"{took}: 1 sync step measures", "measure", at, floor.step_s, (), floor)
-    # the other staleness values from the model's ratios to k0, anchored at what k0 measured
+    the target `MARGIN` times sooner than the sync step they imply; otherwise sync steps
+    measure what sync costs (`kind` "measure"). The first step filled the pipeline (any mode
+    pays that once), so the steps after it decide, with the calls that any of them made."""
+    k0 = opened.staleness
+    # the calls any of them waited on (a step whose groups were scored in the step before made none)
+    mean = replace(StepFigures.mean(steps[1:] or steps), call_wait_s=StepFigures.mean(steps).call_wait_s)
+    # the model's own assumption, inverted: async at k keeps k + 1 times sync's batch in flight
     batch = mean.engine_batch / (k0 + 1) if mean.engine_batch is not None else None
-    ratios = replace(model, sync=implied_sync(mean, k0, model.split, model.curve, model.learner_share_cost, batch))
+    implied = implied_sync(mean, k0, model.split, model.curve, model.learner_share_cost, batch)
+    took = (f"async at k{k0} took {mean.step_s:.1f}s a step after the fill (x{costs.at(k0):.2f} for lag); "
+            f"the sync step it implies: {implied.step_s:.1f}s")
+    if mean.step_s * costs.at(k0) * MARGIN > implied.step_s:
+        return Choice(Mode.SYNC, 0, False, f"{took}: {REMEASURE_STEPS} sync steps measure", "measure", at,
+                      implied.step_s, (), implied)
+    # the other staleness values from the model's ratios to k0, anchored at what k0 measured
+    ratios = replace(model, sync=implied)
     anchor = mean.step_s / ratios.step_s(k0) if ratios.step_s(k0) > 0 else 1.0
-    predictions = (Prediction(0, floor.step_s, costs.at(0)),
+    predictions = (Prediction(0, implied.step_s, costs.at(0)),
                    *(Prediction(k, ratios.step_s(k) * anchor, costs.at(k)) for k in lags if k > 0))
     best = min(predictions[1:], key=lambda p: (p.to_target, p.staleness))
     table = ", ".join(f"k{p.staleness} {p.step_s:.1f}s x{p.lag_cost:.2f}" for p in predictions[1:])
     return Choice(Mode.ASYNC, best.staleness, opened.split,
-                  f"{took}: async sooner; predicted {table}: k{best.staleness}", "opened", at, best.step_s,
-                  predictions, floor)
+                  f"{took}: async {implied.step_s / best.to_target:.2f}x sooner; predicted {table}: k{best.staleness}",
+                  "opened", at, best.step_s, predictions, implied)

@@ -96,12 +96,15 @@ class EngineCurve:
     seconds: float = 0.0
 
     def rate(self, batch: float, on_share: bool) -> float:
-        """Interpolated in log(batch); flat past the measured batches. A split batch beyond the
-        split points takes the every-core curve times the split's measured ratio."""
+        """Interpolated in log(batch); flat past the measured batches. A split batch outside the
+        split points takes the every-core curve times the split's measured ratio at the nearest
+        (the split is measured at the largest batches only; a small batch on the share is not as
+        fast as the share's smallest measured one)."""
         points = self.split if on_share and self.split else self.every
         rate = _interpolate(points, batch)
-        if on_share and self.split and batch > self.split[-1][0]:
-            rate = _interpolate(self.every, batch) * self.split[-1][1] / _interpolate(self.every, self.split[-1][0])
+        if on_share and self.split and not self.split[0][0] <= batch <= self.split[-1][0]:
+            nearest = self.split[0] if batch < self.split[0][0] else self.split[-1]
+            rate = _interpolate(self.every, batch) * nearest[1] / _interpolate(self.every, nearest[0])
         return rate
 
     def describe(self) -> str:

@@ -103,8 +103,7 @@ def implied_sync(step: StepFigures, staleness: int, split: bool, curve: EngineCu
     learner on every core (its step over the share's cost), the step's generation on every core
     at `batch`, waits, and the rest as measured. The waits: what the async step could not hide,
     or a median call of each kind its rollouts made (a sync step's last rollouts wait on theirs
-    with nothing left to generate), the longer. At the async step's own batch (sync never runs a
-    larger one) this is the fastest a sync step could be."""
+    with nothing left to generate), the longer."""
     gen = step.gen_compute_s
     if curve is not None and step.engine_batch is not None and batch is not None:
         gen *= curve.rate(step.engine_batch, split) / curve.rate(batch, False)

@@ -61,7 +61,7 @@ CALIBRATION_TIMEOUT_S = 120.0  # per batch: a CPU engine decodes 4 x 128 tokens 
 
 
 def start_mode(config: "TrainConfig", resumed: dict[str, Any] | None = None) -> tuple[Choice | None, Auto | None, str]:
-    """The choice at the start (None: auto measures first), the auto state (None: the mode is
+    """The choice at the start (None: auto calibrates, then opens async), the auto state (None: the mode is
     settled), and the start line's words for it. `resumed`: the checkpoint's auto state."""
     buffer = config.buffer
     choice = initial_choice(buffer.mode, buffer.max_staleness, shares_compute(config),
@@ -83,7 +83,7 @@ def start_mode(config: "TrainConfig", resumed: dict[str, Any] | None = None) -> 
     return None, auto, (f"auto: engine and learner calibration, then {OPEN_STEPS} async steps measure; async stays "
                         f"where it is sooner than the fastest sync step they imply, at the staleness out of "
                         f"{', '.join(map(str, lags))} predicted soonest after lag's cost in steps "
-                        f"({costs.describe(lags)}); otherwise 1 sync step measures and decides")
+                        f"({costs.describe(lags)}); otherwise {REMEASURE_STEPS} sync steps measure and it decides")
 
 
 def start_window(choice: Choice | None) -> StalenessWindow:
