@@ -205,7 +205,8 @@ async def observe(run: "Run", row: dict[str, Any]) -> None:
             auto.model = auto.measure(step)
             if auto.opened:  # the opening's async steps already confirm (module docstring)
                 auto.model = auto.model.confirmed(auto.opened)
-            kind = "re-decided" if any(d["mode_kind"] == "measured" for d in auto.decisions) else "measured"
+            # the first measurement (after the opening) or a later one (after a check)
+            kind = "re-decided" if auto.decisions and auto.decisions[-1]["mode_kind"] != "measure" else "measured"
             await settle(run, decide(auto.model, auto.lags, auto.costs, kind, at), confirm=not auto.opened)
             auto.opened = []
         return
