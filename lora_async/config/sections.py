@@ -145,7 +145,7 @@ class LearnerConfig(Section):
 class BufferConfig(Section):
     mode: Literal["auto", "async", "sync"] = Field(
         "auto", description="'auto': it calibrates the engine and the learner, opens async, and keeps it where its "
-                            "first 2 steps beat the fastest sync step they imply; otherwise 2 sync steps measure and "
+                            "first 2 steps beat the sync step they imply; otherwise 2 sync steps measure and "
                             "it predicts each staleness's time to target; then it keeps checking (lora_async/mode/); "
                             "'async' or 'sync' pins it.",
     )

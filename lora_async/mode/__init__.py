@@ -10,19 +10,22 @@ async from the start. Where the two halves share compute, it decides from what i
 1. **the engine and the learner, in seconds** (`EngineCurve`, at start-up): decode throughput at
    a few batch sizes on every core, and on the generator's share where an async run would split
    them, and the learner's speed per token on every core and on its share (`learner/probe.py`);
-2. **the first `OPEN_STEPS` steps, run async** at `OPEN_STALENESS` (`opening_choice`): from
-   their time split (`StepFigures`) follows the fastest a sync step could be (`implied_sync`:
-   the learner on every core, the generation on every core at the same batch, the waits async
-   could not hide). Async that reaches the target sooner than that, after lag's cost, stays,
-   at the staleness the model's ratios favour (`decide_opened`); the sync step it would first
-   have run to measure cost every run one slow step on tasks solved in 4-6;
-3. otherwise **a sync step measures** (`StepFigures`: the learner's compute, the generator's
+2. **the first `OPEN_STEPS` steps, run async** at `OPEN_STALENESS` (`opening_choice`): the
+   first fills the pipeline; from the second's time split (`StepFigures`) follows the sync
+   step it implies (`implied_sync`: the learner on every core, the generation on every core
+   at a k + 1-th of the async batch, the waits async could not hide or a median call of each
+   kind, the longer). Async that reaches the target `MARGIN` times sooner than that, after
+   lag's cost, stays, at the staleness the model's ratios favour (`decide_opened`); the sync
+   step it would first have run to measure cost every run one slow step on tasks solved in
+   4-7;
+3. otherwise **sync steps measure** (`StepFigures`: the learner's compute, the generator's
    compute, the waits on rewards, tools and environments, the engine's batch), and **a
    prediction for each staleness k in {0, 1, 2, 4}** (up to `buffer.max_staleness`;
    `Model.step_s`), each weighed by k's steps-to-target ratio r(k), picks the one with the
    least predicted time to target (`step x r(k)`; `decide`), async only if `MARGIN` times
    better than sync;
-4. **the first async steps confirm it** (`Model.confirmed`): the one that fills the pipeline
+4. **the first async steps confirm it** (`Model.confirmed`; after the opening, its async steps
+   already did, before the sync steps measured): the one that fills the pipeline
    and re-pins the threads, and the one after. The learner's cost per token and the engine's
    rate on their shares, each the better of the two steps (the first learner step at a new
    thread count and the fill's burst of prompts measured 1.5-2.5x a steady step), replace the

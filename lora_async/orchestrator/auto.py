@@ -4,8 +4,8 @@ measures (`calibrate`, then `observe` on every step row), and applied in one pla
 
 An auto run on shared compute goes through phases (`Auto.phase`):
 - OPEN: it starts async (`opening_choice`); after `OPEN_STEPS` steps, `decide_opened` keeps
-  async (at the staleness the model favours) where it is sooner to the target than even the
-  fastest sync step those steps imply, and otherwise turns sync: `REMEASURE_STEPS` steps, the
+  async (at the staleness the model favours) where it is `MARGIN` times sooner to the target
+  than the sync step the step after the fill implies, and otherwise turns sync: `REMEASURE_STEPS` steps, the
   last measured, and the opening's steps correct the model as confirming ones would, so a
   choice of async then is not confirmed again. (Auto used to start with a sync step to
   measure: on the sandbox at 0 s that step took 30-37 s against pinned async's first 16-34 s,
@@ -81,7 +81,7 @@ def start_mode(config: "TrainConfig", resumed: dict[str, Any] | None = None) -> 
             return resumed_choice, auto, resumed_choice.describe()
         auto = Auto(costs, lags, auto.split, auto.batch_cap)  # the window shrank: measure again
     return None, auto, (f"auto: engine and learner calibration, then {OPEN_STEPS} async steps measure; async stays "
-                        f"where it is sooner than the fastest sync step they imply, at the staleness out of "
+                        f"where it is sooner than the sync step they imply, at the staleness out of "
                         f"{', '.join(map(str, lags))} predicted soonest after lag's cost in steps "
                         f"({costs.describe(lags)}); otherwise {REMEASURE_STEPS} sync steps measure and it decides")
 
