@@ -5,9 +5,9 @@ measures (`calibrate`, then `observe` on every step row), and applied in one pla
 An auto run on shared compute goes through phases (`Auto.phase`):
 - OPEN: it starts async (`opening_choice`); after `OPEN_STEPS` steps, `decide_opened` keeps
   async (at the staleness the model favours) where it is `MARGIN` times sooner to the target
-  than the sync step the step after the fill implies, and otherwise turns sync: `REMEASURE_STEPS` steps, the
-  last measured, and the opening's steps correct the model as confirming ones would, so a
-  choice of async then is not confirmed again. (Auto used to start with a sync step to
+  than the sync step that the step after the fill implies, and otherwise turns sync:
+  `REMEASURE_STEPS` steps, the last measured, and the opening's steps correct the model as
+  confirming ones would, so a choice of async then is not confirmed again. (Auto used to start with a sync step to
   measure: on the sandbox at 0 s that step took 30-37 s against pinned async's first 16-34 s,
   and the auto runs reached the target 11-37 s after pinned async; bench/RESULTS.md 22c.)
 - MEASURE: sync steps; the last of `Auto.measure_steps` is the measurement, and `decide` picks;
@@ -194,7 +194,7 @@ async def observe(run: "Run", row: dict[str, Any]) -> None:
         opened = Model(step, auto.split, auto.batch_cap, auto.curve, learner_share_cost=auto.share_cost)
         choice = decide_opened(auto.confirming, run.choice, opened, auto.costs, auto.lags, at)
         assert choice.sync is not None
-        auto.model = replace(opened, sync=choice.sync)  # sync's floor, until a sync step measures it
+        auto.model = replace(opened, sync=choice.sync)  # the implied sync step, until one is measured
         if choice.synchronous:  # the first sync step still trains groups the async ones made
             auto.measure_steps, auto.measured, auto.opened = REMEASURE_STEPS, 0, list(auto.confirming)
         await settle(run, choice, phase=MEASURE if choice.synchronous else WATCH)
