@@ -8,6 +8,7 @@ DEMO_OUT ?= runs/demo
 BENCH_STAMP := $(VENV)/.lora-async-bench-installed
 COMMA := ,
 PEERS_BUDGET ?= 300
+PEERS_TRL_BUDGET ?= 600
 PEERS_SEEDS ?= 0,1,2
 PEERS_OUT ?= runs/peers-v2
 
@@ -72,7 +73,7 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench-peers: $(BENCH_STAMP)
-	$(BIN)/python bench/peers/run.py --budget $(PEERS_BUDGET) --seeds $(PEERS_SEEDS) --runs auto,trl --out $(PEERS_OUT) --results bench/results/peers-v2-auto.json
+	$(BIN)/python bench/peers/run.py --budget $(PEERS_BUDGET) --trl-budget $(PEERS_TRL_BUDGET) --seeds $(PEERS_SEEDS) --runs auto,trl --out $(PEERS_OUT) --results bench/results/peers-v2-auto.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
