@@ -151,15 +151,15 @@ def opened_model(share_cost: float = 1.1) -> Model:
 
 def test_the_sync_step_an_async_step_implies():
     step = async_step(10.0, 4.0, 9.0, wait_s=0.5, calls_s=3.0)
-    floor = implied_sync(step, 2, True, BATCHING, 1.1, 48.0)
+    floor = implied_sync(step, True, BATCHING, 1.1, 48.0)
     # the learner on every core, the generation on every core (here at the same batch), the
     # longer of the hidden waits and one median call of each kind
     assert floor.learner_s == pytest.approx(4.0 / 1.1)
     assert floor.gen_compute_s == pytest.approx(9.0 * BATCHING.rate(48, True) / BATCHING.rate(48, False))
     assert floor.wait_s == 3.0 and floor.step_s == pytest.approx(floor.learner_s + floor.gen_compute_s + 3.0)
     # a smaller batch on every core is slower per token; halves that cannot split add up as measured
-    assert implied_sync(step, 2, True, BATCHING, 1.1, 16.0).gen_compute_s > floor.gen_compute_s
-    assert implied_sync(step, 2, False, None, 1.1, 48.0).step_s == pytest.approx(4.0 + 9.0 + 3.0)
+    assert implied_sync(step, True, BATCHING, 1.1, 16.0).gen_compute_s > floor.gen_compute_s
+    assert implied_sync(step, False, None, 1.1, 48.0).step_s == pytest.approx(4.0 + 9.0 + 3.0)
     # an async step whose groups were all scored during the step before made no calls: the
     # opening's median call comes from the steps that did
     assert StepFigures.mean([step, replace(step, call_wait_s=0.0)]).call_wait_s == 3.0

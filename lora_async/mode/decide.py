@@ -172,7 +172,7 @@ def decide_opened(steps: list[StepFigures], opened: Choice, model: Model, costs:
     mean = replace(StepFigures.mean(steps[1:] or steps), call_wait_s=StepFigures.mean(steps).call_wait_s)
     # the model's own assumption, inverted: async at k keeps k + 1 times sync's batch in flight
     batch = mean.engine_batch / (k0 + 1) if mean.engine_batch is not None else None
-    implied = implied_sync(mean, k0, model.split, model.curve, model.learner_share_cost, batch)
+    implied = implied_sync(mean, model.split, model.curve, model.learner_share_cost, batch)
     took = (f"async at k{k0} took {mean.step_s:.1f}s a step after the fill (x{costs.at(k0):.2f} for lag); "
             f"the sync step it implies: {implied.step_s:.1f}s")
     if mean.step_s * costs.at(k0) * MARGIN > implied.step_s:

@@ -97,9 +97,9 @@ def predict(model: Model, lags: list[int], costs: LagCosts) -> tuple[Prediction,
 
 
 
-def implied_sync(step: StepFigures, staleness: int, split: bool, curve: EngineCurve | None,
+def implied_sync(step: StepFigures, split: bool, curve: EngineCurve | None,
                  learner_share_cost: float, batch: float | None) -> StepFigures:
-    """The sync step an async step at `staleness` implies, with its engine at `batch`: the
+    """The sync step an async step implies, with its engine at `batch`: the
     learner on every core (its step over the share's cost), the step's generation on every core
     at `batch`, waits, and the rest as measured. The waits: what the async step could not hide,
     or a median call of each kind its rollouts made (a sync step's last rollouts wait on theirs

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from .. import lag_cost
 from ..generator.types import GenRequest, GenStatus
 from ..learner import probe
-from ..mode import (LEARNER_SPLIT_SLOWDOWN, OFF_STEPS, OPEN_STEPS, REMEASURE_STEPS, Choice, EngineCurve, Mode, Model,
+from ..mode import (LEARNER_SPLIT_SLOWDOWN, OFF_STEPS, OPEN_STEPS, REMEASURE_STEPS, Choice, EngineCurve, Mode,
                     StepFigures, async_still_sooner, candidates, decide, decide_opened, initial_choice, off_prediction,
                     opening_choice, scaled_step_s)
 from ..placement import Placement, available_cpus, pin_current_thread, shares_compute, split_placements
@@ -191,24 +191,24 @@ async def observe(run: "Run", row: dict[str, Any]) -> None:
         auto.confirming.append(step)
         if len(auto.confirming) < OPEN_STEPS:
             return
-        opened = Model(step, auto.split, auto.batch_cap, auto.curve, learner_share_cost=auto.share_cost)
-        choice = decide_opened(auto.confirming, run.choice, opened, auto.costs, auto.lags, at)
+        # decide_opened reads the model's split, curve and learner, not its sync step
+        choice = decide_opened(auto.confirming, run.choice, auto.first_model(step), auto.costs, auto.lags, at)
         assert choice.sync is not None
-        auto.model = replace(opened, sync=choice.sync)  # the implied sync step, until one is measured
+        auto.model = auto.first_model(choice.sync)  # the implied sync step, until one is measured
         if choice.synchronous:  # the first sync step still trains groups the async ones made
-            auto.measure_steps, auto.measured, auto.opened = REMEASURE_STEPS, 0, list(auto.confirming)
+            auto.measure_steps, auto.measured, auto.opening_steps = REMEASURE_STEPS, 0, list(auto.confirming)
         await settle(run, choice, phase=MEASURE if choice.synchronous else WATCH)
         return
     if auto.phase == MEASURE:
         auto.measured += 1
         if auto.measured >= auto.measure_steps:
             auto.model = auto.measure(step)
-            if auto.opened:  # the opening's async steps already confirm (module docstring)
-                auto.model = auto.model.confirmed(auto.opened)
+            if auto.opening_steps:  # the opening's async steps already confirm (module docstring)
+                auto.model = auto.model.confirmed(auto.opening_steps)
             # the first measurement (after the opening) or a later one (after a check)
             kind = "re-decided" if auto.decisions and auto.decisions[-1]["mode_kind"] != "measure" else "measured"
-            await settle(run, decide(auto.model, auto.lags, auto.costs, kind, at), confirm=not auto.opened)
-            auto.opened = []
+            await settle(run, decide(auto.model, auto.lags, auto.costs, kind, at), confirm=not auto.opening_steps)
+            auto.opening_steps = []
         return
     assert run.choice is not None and auto.model is not None
     if auto.phase == CONFIRM:

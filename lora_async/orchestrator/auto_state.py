@@ -30,7 +30,7 @@ class Auto:
     confirming: list[StepFigures] = field(default_factory=list)  # OPEN, CONFIRM: the async steps so far
     # the opening's async steps, where sync then measures: they correct the model as confirming
     # steps would (the learner on its share, the engine's rate), so async needs no confirming
-    opened: list[StepFigures] = field(default_factory=list)
+    opening_steps: list[StepFigures] = field(default_factory=list)
     recent: list[StepFigures] = field(default_factory=list)  # the last OFF_STEPS steps
     off_streak: int = 0
     aborted_seen: int = 0  # the adapters' aborted-group counters at the last row
@@ -39,9 +39,12 @@ class Auto:
     def measure(self, sync: StepFigures) -> Model:
         """A model from a new sync measurement; what a confirming step measured (the learner's
         cost on its share, the engine's rate) carries over."""
-        if self.model is None:
-            return Model(sync, self.split, self.batch_cap, self.curve, learner_share_cost=self.share_cost)
-        return replace(self.model, sync=sync)
+        return self.first_model(sync) if self.model is None else replace(self.model, sync=sync)
+
+    def first_model(self, sync: StepFigures) -> Model:
+        """A model of this run's split, batch cap, engine curve and calibrated learner, with `sync`
+        as its sync step (measured, or implied by the opening's async steps)."""
+        return Model(sync, self.split, self.batch_cap, self.curve, learner_share_cost=self.share_cost)
 
     @property
     def share_cost(self) -> float:
