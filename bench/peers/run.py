@@ -103,7 +103,7 @@ def run_or_fail(cmd: list[str], log: Path, what: str) -> tuple[float, float]:
 
 def lora_async_train(run_dir: Path, log: Path, sets: list[str], args: argparse.Namespace) -> dict[str, Any]:
     sets = sets + [
-        f"run.time_budget_s={budget_of('lora-async', args)}", f"run.output_dir={json.dumps(str(run_dir))}", "run.max_steps=1000000",
+        f"run.time_budget_s={args.budget}", f"run.output_dir={json.dumps(str(run_dir))}", "run.max_steps=1000000",
         f"run.save_every={args.save_every}", "run.eval_every=0", "run.eval_at_start=false",
         "run.eval_at_end=false", "run.progress=false", "run.chart_every=0",
     ]
@@ -146,7 +146,7 @@ def run_one(system: str, seed: int, args: argparse.Namespace, report: dict[str, 
         else:
             info = lora_async_train(run_dir, args.out / f"{run_dir.name}.log", sets, args)
         info.update(score(run_dir, sets, args))
-        entry.update(summarize_run(run_dir, budget_of(kind, args)), **info)
+        entry.update(summarize_run(run_dir, args.trl_budget if kind == "trl" else args.budget), **info)
         add_launch_mark(entry)
     except RunFailed as exc:
         entry["error"] = str(exc)
@@ -158,12 +158,6 @@ def run_one(system: str, seed: int, args: argparse.Namespace, report: dict[str, 
                  "gen_idle_frac")
         print(f"[{run_dir.name}] {json.dumps({k: entry.get(k) for k in shown})}", flush=True)
     return entry
-
-
-def budget_of(kind: str, args: argparse.Namespace) -> float:
-    """A run's training budget: `--trl-budget` for TRL where given (it learns slower per second,
-    and a mark it reaches only after lora-async's budget needs a longer one), else `--budget`."""
-    return args.trl_budget if kind == "trl" and args.trl_budget is not None else args.budget
 
 
 def add_launch_mark(entry: dict[str, Any]) -> None:
@@ -253,6 +247,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not args.runs:
         p.error(f"--runs: unknown {sorted(unknown)}; choose from {','.join(VARIANTS)}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if args.trl_budget is None:
+        args.trl_budget = args.budget
     args.out = (args.out if args.out.is_absolute() else REPO / args.out).resolve()
     args.config = args.config if args.config.is_absolute() else (Path.cwd() / args.config).resolve()
     return args
@@ -267,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(previous.read_text())
         report["runs"] = {k: v for k, v in report["runs"].items() if "error" not in v}
     if args.summarize_only:
-        args.budget, args.trl_budget = report["budget_s"], report.get("trl_budget_s")
-    report.update({"budget_s": args.budget, "trl_budget_s": budget_of("trl", args), "config": str(args.config), "overrides": args.set,
-                   "save_every": args.save_every, "versions": package_versions(), "machine": machine(),
+        args.budget, args.trl_budget = report["budget_s"], report.get("trl_budget_s", report["budget_s"])
+    report.update({"budget_s": args.budget, "trl_budget_s": args.trl_budget, "config": str(args.config),
+                   "overrides": args.set, "save_every": args.save_every, "versions": package_versions(), "machine": machine(),
                    "notes": list(NOTES)})
     if args.summarize_only:
         for name, entry in report["runs"].items():

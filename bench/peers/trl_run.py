@@ -81,7 +81,7 @@ class FirstBatchProbe:
 def attempt(mode: str, args: argparse.Namespace, run_dir: Path, log: Path, probe: float | None,
             sets: list[str], trl_args: list[str]) -> dict[str, Any]:
     cmd = [sys.executable, str(HERE / "trl_child.py"), "--run-dir", str(run_dir),
-           "--config", str(args.config), "--budget", str(args.trl_budget if args.trl_budget is not None else args.budget), "--mode", mode,
+           "--config", str(args.config), "--budget", str(args.trl_budget), "--mode", mode,
            "--save-every", str(args.save_every)]
     cmd += [f"--set={s}" for s in sets] + [f"--trl-arg={s}" for s in trl_args + list(args.trl_arg)]
     server: subprocess.Popen | None = None
