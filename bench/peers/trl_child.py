@@ -137,20 +137,32 @@ def messages(task: Any, text: str) -> list[dict[str, str]]:
 
 
 def make_reward(task: Any, tally: BatchTally, first_batch: Path) -> Callable[..., list[float]]:
-    """lora-async's reward (`task.rewards`) as a TRL reward function; it also tallies the batch."""
+    """lora-async's reward (`task.rewards`) as a TRL reward function; it also tallies the batch.
+
+    The batch's completions are scored at once, one group per problem and the groups
+    concurrently, as lora-async scores a step's groups: what a TRL user with a slow reward (a
+    sandbox, a judge) writes, an async batched function that gathers its calls. A step then
+    waits for its slowest call, not for the sum of them."""
     from lora_async.tasks import Problem
 
-    def score(text: str, want: str) -> float:
-        return asyncio.run(task.rewards.score(Problem(-1, "", want).batch([text]))).rewards[0]
+    async def score(texts: list[str], answers: list[str]) -> list[float]:
+        groups: dict[str, list[int]] = {}
+        for i, want in enumerate(answers):
+            groups.setdefault(want, []).append(i)
+        scored = await asyncio.gather(*(task.rewards.score(Problem(-1, "", want).batch([texts[i] for i in where]))
+                                        for want, where in groups.items()))
+        out = [0.0] * len(texts)
+        for where, scores in zip(groups.values(), scored):
+            for i, value in zip(where, scores.rewards):
+                out[i] = value
+        return out
 
     # TRL names the reward in its logs after the function: `arithmetic`, as before the split.
     def arithmetic(prompts: list, completions: list, completion_ids: list, answer: list, **_: Any) -> list[float]:
-        out = []
-        for completion, want in zip(completions, answer):
-            text = completion[-1]["content"] if isinstance(completion, list) else completion
-            out.append(score(text, want))
-            if len(tally.examples) < KEPT_EXAMPLES:
-                tally.examples.append((text, want))
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        out = asyncio.run(score(texts, list(answer)))
+        for text, want in list(zip(texts, answer))[:max(0, KEPT_EXAMPLES - len(tally.examples))]:
+            tally.examples.append((text, want))
         tally.rewards.extend(out)
         tally.tokens += sum(len(ids) for ids in completion_ids)
         if tally.scored_at is None:
@@ -259,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("error: the peer benchmark takes a single-adapter config (no [[adapters]])")
     run_dir: Path = a.run_dir
     model_dir = resolve_model(cfg.model.name)
-    task = make_task(cfg.task, cfg.run.seed)
+    # a step's completions scored at once, as lora-async's pool scores a step's groups
+    task = make_task(cfg.task, cfg.run.seed, in_flight=cfg.learner.groups_per_step * cfg.sampling.samples_per_prompt)
     # lora-async's training stream: train_problem(0), train_problem(1), ... (held-out never drawn).
     problems = [task.train_problem(i) for i in range(a.dataset_size)]
     dataset = Dataset.from_list([{"prompt": messages(task, p.prompt), "answer": p.answer} for p in problems])
