@@ -12,7 +12,7 @@ PEERS_TRL_BUDGET ?= 600
 PEERS_SEEDS ?= 0,1,2
 PEERS_OUT ?= runs/peers-v2
 
-.PHONY: test-long test-fast typecheck install demo test bench bench-peers clean
+.PHONY: test-long test-fast typecheck install demo test bench bench-peers bench-peers-slow clean
 
 install: $(STAMP)
 
@@ -74,6 +74,10 @@ $(BENCH_STAMP): $(STAMP)
 
 bench-peers: $(BENCH_STAMP)
 	$(BIN)/python bench/peers/run.py --budget $(PEERS_BUDGET) --trl-budget $(PEERS_TRL_BUDGET) --seeds $(PEERS_SEEDS) --runs auto,trl --out $(PEERS_OUT) --results bench/results/peers-v2-auto.json
+
+# the second workload: a reward that waits (examples/slow_reward.toml), TRL scoring a step at once
+bench-peers-slow: $(BENCH_STAMP)
+	$(BIN)/python bench/peers/run.py --config examples/slow_reward.toml --budget 180 --trl-budget 300 --trl-mode transformers --save-every 1 --seeds $(PEERS_SEEDS) --runs auto,trl --out runs/peers-slow --results bench/results/peers-slow-auto.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
