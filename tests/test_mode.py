@@ -18,8 +18,8 @@ from lora_async.config import ConfigError, TrainConfig, load_config
 from lora_async.generator.types import GenResult, GenStatus
 from lora_async.metrics import read_metrics
 from lora_async.mode import (LEARNER_SPLIT_SLOWDOWN, MARGIN, Choice, EngineCurve, Mode, Model, StepFigures, candidates,
-                             async_still_sooner, decide, decide_opened, implied_sync, initial_choice, off_prediction,
-                             opening_choice, scaled_step_s)
+                             async_beats_implied, async_still_sooner, decide, decide_opened, implied_sync,
+                             initial_choice, off_prediction, opening_choice, scaled_step_s)
 from lora_async.orchestrator.auto_state import Auto
 from lora_async.orchestrator import train
 
@@ -212,6 +212,32 @@ def test_async_slower_than_predicted_but_sooner_than_sync_stays_async():
     assert async_still_sooner(choice, 3.5, M2PO) is None
 
 
+def test_drifted_async_steps_that_still_beat_the_sync_step_they_imply_keep_async():
+    # The sandbox at 10 s, seed 0 (section 22f): the opening's second step set a low mark (its
+    # groups were made during the fill), then a slower tool made three steps take twice that.
+    # Against the mark they drifted, and against the opening's implied sync step times lag's cost
+    # they lost, so 2 sync steps measured again (52.5 and 36.4 s) before async came back. Tested
+    # as the opening's steps are, against the sync step they themselves imply (their learner and
+    # generation on every core, and the calls they waited on), they keep async with no sync step.
+    opened = decide_opened([async_step(20.0, 9.0, 19.0), async_step(8.4, 8.4, 8.0, batch=128.0)], OPENED,
+                           opened_model(1.27), M2PO, [0, 1, 2, 4], 2)
+    assert opened.mode is Mode.ASYNC and opened.predicted_step_s is not None and opened.predicted_step_s < 10.0
+    assert opened.sync is not None
+    drifted = [async_step(s, 8.0, 8.0, wait_s=4.0, calls_s=14.0, batch=110.0) for s in (19.0, 18.0, 17.0)]
+    mean = StepFigures.mean(drifted).step_s
+    assert mean * M2PO.at(opened.staleness) > opened.sync.step_s
+    assert async_still_sooner(opened, mean, M2PO) is None  # against the opening's sync: only sync steps could tell
+    kept = async_beats_implied(drifted, opened, opened_model(1.27), M2PO)
+    assert kept is not None
+    implied, why = kept
+    assert implied.step_s > mean * M2PO.at(opened.staleness) * MARGIN and "sooner than the sync step they imply" in why
+    assert implied.wait_s == 14.0  # a sync step waits a median call of each kind its rollouts made
+    # the same steps with nothing to wait on: on every core their learner and generation would
+    # make a sync step as short, so only sync steps can tell
+    unhidden = [replace(s, wait_s=0.0, call_wait_s=0.0) for s in drifted]
+    assert async_beats_implied(unhidden, opened, opened_model(1.27), M2PO) is None
+
+
 def test_the_monitor_compares_steps_per_sample_drawn():
     # a task being solved draws more groups per step (flat ones train nothing): a step that drew
     # twice the samples, its generation taking twice as long and its learner as long, is on its
@@ -393,6 +419,51 @@ def test_steps_that_drift_from_the_prediction_make_auto_decide_again(tmp_path, m
     assert redecided["step"] in (8, 9)
     assert events[4]["step"] == redecided["step"] + 2
     assert max(r["policy_lag_max"] for r in steps[redecided["step"]:]) >= 1
+
+
+STEPPED_REWARD = """
+import asyncio, os
+
+async def reward(prompt, completion, answer):
+    # 0.5 s a call, and 3 s once the file SLOWER names exists (reward workers may be processes:
+    # a file reaches them, an environment variable set later does not)
+    await asyncio.sleep(3.0 if os.path.exists(os.environ["SLOWER"]) else 0.5)
+    return float(completion.startswith("x"))
+"""
+
+
+def test_async_steps_that_drift_but_beat_the_sync_step_they_imply_stay_async_without_sync_steps(tmp_path,
+                                                                                                 monkeypatch):
+    # rewards wait 0.5 s a call; from step 4 on, generations got longer: the learner takes 5x as
+    # long and each reward call 3 s. The async steps take several times the opening's mark, and
+    # times lag's cost more than the sync step the opening implied, but a sync step now would
+    # wait a 3 s call on top of that learner: async stays, the sync step to beat moves to what
+    # the drifted steps imply, and no sync step runs
+    (tmp_path / "stepped_reward.py").write_text(STEPPED_REWARD)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    slower = tmp_path / "slower"
+    monkeypatch.setenv("SLOWER", str(slower))
+    cfg = config(tmp_path, "stepped_reward:reward")
+    cfg.run.max_steps = 12
+    parts = FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.1, pinned_step_s=0.17)
+
+    def at_step(run_state) -> None:
+        if run_state.global_step == 4:
+            slower.touch()
+            parts.fake_learner.step_s, parts.fake_learner.pinned_step_s = 0.5, 0.85
+
+    summary, steps, events, _ = run(cfg, parts, on_step=at_step)
+    told = "\n".join(f"{e['mode_kind']} {e['step']}: {e['mode_reason']}" for e in events)
+    assert [e["mode_kind"] for e in events[:2]] == ["opening", "opened"], told
+    assert all(e["mode"] == "async" for e in events), told
+    assert all(r["policy_lag_max"] >= 1 for r in steps[2:]), told  # no sync step ran
+    implied = [e for e in events if "sooner than the sync step they imply" in e["mode_reason"]]
+    assert implied and implied[0]["mode_kind"] == "kept" and implied[0]["step"] <= 9, told
+    # the sync step to beat moved to what the drifted steps imply: their slower learner and calls
+    # (the check may fire first on steps from both sides of the change, then again)
+    assert implied[-1]["mode_sync_learner_s"] > 3 * events[1]["mode_sync_learner_s"], told
+    assert implied[-1]["mode_sync_wait_s"] > 3 * events[1]["mode_sync_wait_s"], told
 
 
 def test_a_resumed_auto_run_keeps_its_choice_and_does_not_measure_again(tmp_path, monkeypatch):

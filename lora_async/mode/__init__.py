@@ -35,7 +35,9 @@ async from the start. Where the two halves share compute, it decides from what i
 Then it keeps checking: a step `OFF_BY` away from its prediction, per sample drawn
 (`scaled_step_s`: a task being solved draws more groups per step), `OFF_STEPS` times in a row
 (a tool got slower, generations got longer) makes it decide again: from the last sync steps
-if it is sync, after `REMEASURE_STEPS` sync steps if it is async.
+if it is sync. If it is async, the steps keep async where they still beat the sync step they
+imply, as the opening's did (`async_beats_implied`), and the mark moves to them; only
+otherwise do `REMEASURE_STEPS` sync steps measure.
 
 The model of an async step at staleness k, with the shared cores split between the halves
 (the learner trains step n while the generator makes step n+1's groups, up to k + 1 steps'
@@ -55,12 +57,12 @@ aborts the groups still generating when a step starts, async keeps them.
 from __future__ import annotations
 
 from .decide import (CANDIDATES, MARGIN, OFF_BY, OFF_STEPS, OPEN_STALENESS, OPEN_STEPS, REMEASURE_STEPS, Choice, Mode,
-                     async_still_sooner, candidates, decide, decide_opened, initial_choice, off_prediction,
-                     opening_choice, scaled_step_s)
+                     async_beats_implied, async_still_sooner, candidates, decide, decide_opened, implied_by,
+                     initial_choice, off_prediction, opening_choice, scaled_step_s)
 from .measured import EngineCurve, StepFigures
 from .predict import LEARNER_SPLIT_SLOWDOWN, Model, Prediction, implied_sync, predict
 
 __all__ = ["CANDIDATES", "LEARNER_SPLIT_SLOWDOWN", "MARGIN", "OFF_BY", "OFF_STEPS", "OPEN_STALENESS", "OPEN_STEPS",
            "REMEASURE_STEPS", "Choice", "EngineCurve", "Mode", "Model", "Prediction", "StepFigures",
-           "async_still_sooner", "candidates", "decide", "decide_opened", "implied_sync", "initial_choice",
-           "off_prediction", "opening_choice", "predict", "scaled_step_s"]
+           "async_beats_implied", "async_still_sooner", "candidates", "decide", "decide_opened", "implied_by",
+           "implied_sync", "initial_choice", "off_prediction", "opening_choice", "predict", "scaled_step_s"]

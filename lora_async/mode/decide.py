@@ -1,6 +1,6 @@
 """The choice (`Choice`): sync, or async at a staleness, how it came about and why; the rules
-that make it (`decide`, `initial_choice`) and that check it step by step (`off_prediction`,
-`scaled_step_s`, `async_still_sooner`)."""
+that make it (`decide`, `initial_choice`, `opening_choice`, `decide_opened`) and that check it
+step by step (`off_prediction`, `scaled_step_s`, `async_still_sooner`, `async_beats_implied`)."""
 
 from __future__ import annotations
 
@@ -159,6 +159,28 @@ def async_still_sooner(choice: Choice, measured_s: float, costs: LagCosts) -> st
             f"sync step measured ({choice.sync.step_s:.1f}s)")
 
 
+def implied_by(steps: list[StepFigures], staleness: int, model: Model) -> StepFigures:
+    """The sync step that async steps at `staleness` imply (`implied_sync`), at the batch sync
+    would run: the model's own assumption, inverted (async at k keeps k + 1 times sync's batch
+    in flight)."""
+    mean = StepFigures.mean(steps)
+    batch = mean.engine_batch / (staleness + 1) if mean.engine_batch is not None else None
+    return implied_sync(mean, model.split, model.curve, model.learner_share_cost, batch)
+
+
+def async_beats_implied(steps: list[StepFigures], choice: Choice, model: Model,
+                        costs: LagCosts) -> tuple[StepFigures, str] | None:
+    """Async steps that drifted from their prediction, tested as the opening tests its steps:
+    the sync step they imply and why async, times lag's cost, still reaches the target `MARGIN`
+    times sooner, or None (then only sync steps can tell)."""
+    implied = implied_by(steps, choice.staleness, model)
+    took = StepFigures.mean(steps).step_s * costs.at(choice.staleness)
+    if took * MARGIN > implied.step_s:
+        return None
+    return implied, (f"x{costs.at(choice.staleness):.2f} for lag still {implied.step_s / took:.2f}x sooner than "
+                     f"the sync step they imply ({implied.step_s:.1f}s)")
+
+
 def decide_opened(steps: list[StepFigures], opened: Choice, model: Model, costs: LagCosts, lags: list[int],
                   at: int) -> Choice:
     """After the async steps an auto run opened with (`steps`, at `opened.staleness`; `model`
@@ -170,9 +192,7 @@ def decide_opened(steps: list[StepFigures], opened: Choice, model: Model, costs:
     k0 = opened.staleness
     # the calls any of them waited on (a step whose groups were scored in the step before made none)
     mean = replace(StepFigures.mean(steps[1:] or steps), call_wait_s=StepFigures.mean(steps).call_wait_s)
-    # the model's own assumption, inverted: async at k keeps k + 1 times sync's batch in flight
-    batch = mean.engine_batch / (k0 + 1) if mean.engine_batch is not None else None
-    implied = implied_sync(mean, model.split, model.curve, model.learner_share_cost, batch)
+    implied = implied_by([mean], k0, model)
     took = (f"async at k{k0} took {mean.step_s:.1f}s a step after the fill (x{costs.at(k0):.2f} for lag); "
             f"the sync step it implies: {implied.step_s:.1f}s")
     if mean.step_s * costs.at(k0) * MARGIN > implied.step_s:

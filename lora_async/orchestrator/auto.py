@@ -17,8 +17,9 @@ An auto run on shared compute goes through phases (`Auto.phase`):
   to sync);
 - WATCH: every step against the prediction, per sample drawn; `OFF_STEPS` in a row more than
   `OFF_BY` away and it decides again: in sync from the last steps; in async, steps faster than
-  predicted, or slower but (times lag's cost) still sooner than the sync step measured, keep
-  async with a new mark, and others run `REMEASURE_STEPS` sync steps to measure again (on the
+  predicted, or slower but (times lag's cost) still sooner than the sync step measured, or
+  than the sync step they imply (`async_beats_implied`, as the opening's steps are tested),
+  keep async with a new mark, and others run `REMEASURE_STEPS` sync steps to measure again (on the
   v2 task, re-measuring every time async ran slower than predicted but faster than sync
   spent 16 of 112 steps re-measuring).
 
@@ -44,8 +45,8 @@ from .. import lag_cost
 from ..generator.types import GenRequest, GenStatus
 from ..learner import probe
 from ..mode import (LEARNER_SPLIT_SLOWDOWN, OFF_STEPS, OPEN_STEPS, REMEASURE_STEPS, Choice, EngineCurve, Mode,
-                    StepFigures, async_still_sooner, candidates, decide, decide_opened, initial_choice, off_prediction,
-                    opening_choice, scaled_step_s)
+                    StepFigures, async_beats_implied, async_still_sooner, candidates, decide, decide_opened,
+                    initial_choice, off_prediction, opening_choice, scaled_step_s)
 from ..placement import Placement, available_cpus, pin_current_thread, shares_compute, split_placements
 from ..staleness import StalenessWindow
 from .auto_state import CONFIRM, MEASURE, OPEN, WATCH, Auto
@@ -236,6 +237,13 @@ async def observe(run: "Run", row: dict[str, Any]) -> None:
     kept = async_still_sooner(run.choice, measured, auto.costs)
     if kept is not None:  # faster than predicted, or slower and still sooner than sync: the mark moves
         await apply_choice(run, replace(run.choice, kind="kept", decided_at_step=at, predicted_step_s=measured,
+                                        reason=f"{why}: {kept}, async kept"))
+        return
+    implied = async_beats_implied(auto.recent, run.choice, auto.model, auto.costs)
+    if implied is not None:  # the steps themselves still beat sync: the mark and the sync to beat move to them
+        sync, kept = implied
+        await apply_choice(run, replace(run.choice, kind="kept", decided_at_step=at, sync=sync,
+                                        predicted_step_s=measured,
                                         reason=f"{why}: {kept}, async kept"))
         return
     auto.phase, auto.measure_steps, auto.measured = MEASURE, REMEASURE_STEPS, 0
