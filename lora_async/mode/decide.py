@@ -172,13 +172,15 @@ def async_beats_implied(steps: list[StepFigures], choice: Choice, model: Model,
                         costs: LagCosts) -> tuple[StepFigures, str] | None:
     """Async steps that drifted from their prediction, tested as the opening tests its steps:
     the sync step they imply and why async, times lag's cost, still reaches the target `MARGIN`
-    times sooner, or None (then only sync steps can tell)."""
+    times sooner, or None (then only sync steps can tell). Both sides are at the samples these
+    steps drew, so the reason gives their own step time, not the one scaled for the check."""
     implied = implied_by(steps, choice.staleness, model)
-    took = StepFigures.mean(steps).step_s * costs.at(choice.staleness)
+    step_s = StepFigures.mean(steps).step_s
+    took = step_s * costs.at(choice.staleness)
     if took * MARGIN > implied.step_s:
         return None
-    return implied, (f"x{costs.at(choice.staleness):.2f} for lag still {implied.step_s / took:.2f}x sooner than "
-                     f"the sync step they imply ({implied.step_s:.1f}s)")
+    return implied, (f"at {step_s:.1f}s a step as drawn, x{costs.at(choice.staleness):.2f} for lag still "
+                     f"{implied.step_s / took:.2f}x sooner than the sync step they imply ({implied.step_s:.1f}s)")
 
 
 def decide_opened(steps: list[StepFigures], opened: Choice, model: Model, costs: LagCosts, lags: list[int],
