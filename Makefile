@@ -79,5 +79,11 @@ bench-peers: $(BENCH_STAMP)
 bench-peers-slow: $(BENCH_STAMP)
 	$(BIN)/python bench/peers/run.py --config examples/slow_reward.toml --budget 180 --trl-budget 300 --trl-mode transformers --save-every 1 --seeds $(PEERS_SEEDS) --runs auto,trl --out runs/peers-slow --results bench/results/peers-slow-auto.json
 
+# docs/configuration.md, generated from the config schema (tests/test_docs.py fails when it is stale).
+.PHONY: docs
+docs: install
+	$(BIN)/python -m lora_async.config.reference > docs/configuration.md.tmp
+	mv docs/configuration.md.tmp docs/configuration.md
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache
