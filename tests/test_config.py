@@ -2,7 +2,6 @@
 
 import os
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,16 +29,6 @@ def test_every_shipped_example_parses():
     assert examples
     for path in examples:
         assert isinstance(load_config(path), TrainConfig)
-
-
-def test_every_readme_toml_block_parses(tmp_path):
-    blocks = re.findall(r"^```toml\n(.*?)^```", (REPO / "README.md").read_text(), re.M | re.S)
-    assert blocks, "README.md has no ```toml block"
-    for block in blocks:
-        for data in re.findall(r'^path = "([^"]+\.jsonl)"', block, re.M):  # a task's data file, beside the config
-            (tmp_path / data).parent.mkdir(parents=True, exist_ok=True)
-            (tmp_path / data).write_text('{"prompt": "p", "answer": "a"}\n')
-        assert isinstance(load_config(write(tmp_path, block)), TrainConfig), block
 
 
 def test_overrides_apply_with_toml_types(tmp_path):
