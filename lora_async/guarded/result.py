@@ -15,7 +15,8 @@ class CallResult:
     """The result of one call: a value, or an error message (and where it was raised).
 
     `started`/`ended` are wall-clock times (`time.time()`) of the call itself, as whoever ran it
-    saw them; `wait_s` is what the caller waited, from the call to the result, a queue included."""
+    saw them; `wait_s` is what the caller waited, from the call to the result, a queue included.
+    `exception` is what a call in this process raised (`inprocess.py`); a child's stays there."""
 
     value: object = None  # what the function returned (from a child: as JSON carried it)
     message: str | None = None  # "ValueError: bad input"; None on success
@@ -25,6 +26,7 @@ class CallResult:
     started: float | None = None
     ended: float | None = None
     wait_s: float = 0.0
+    exception: BaseException | None = None
 
     @property
     def ok(self) -> bool:
