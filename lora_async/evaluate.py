@@ -62,14 +62,14 @@ def eval_engine(config: "TrainConfig", max_lora_rank: int,
     from .placement import place_run, resolve
     from .staleness import StalenessWindow
 
-    if config.generator.engine_home == "server":
+    if config.engine_settings is None:  # running servers: the config says nothing of how to build an engine
         raise ValueError('evaluation starts its own vLLM engine: give it a config with generator.type = "vllm"')
     model_dir = resolve_model(config.model.name)
     # A quantised learner's adapters are evaluated on the base their run served: the learner's own.
     base_dir, _ = generator_base(config, model_dir, place_run(config)[1][0].device)
     # A Ray run's evaluation engine is a local one, on this machine's own choice of device.
-    gen = config.generator
-    device = gen.device if gen.type == "vllm" else "auto"
+    local = config.local_engine
+    device = local.device if local is not None else "auto"
     placement = resolve(device, None, config.learner.device, None, concurrent=False)[0]
     spec = EngineSpec.from_config(config, base_dir, placement.device, adapters=adapters, window=StalenessWindow(0),
                                   max_lora_rank=max_lora_rank, separate_process=False)

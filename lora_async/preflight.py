@@ -33,7 +33,8 @@ class PreflightError(Exception):
 def check_vllm(config: "TrainConfig", generator: "Placement") -> None:
     """The installed vLLM is the release the extension was checked against, and it can serve
     `generator.quantization` on the generator's device."""
-    from .generator.vllm.compat import VllmCompatError, check_serving_quantization, check_vllm_version
+    from .generator.vllm.compat import check_serving_quantization
+    from .generator.vllm.release import VllmCompatError, check_vllm_version
 
     engine = config.engine_settings
     if engine is None:  # running servers: their vLLM is theirs

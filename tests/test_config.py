@@ -300,3 +300,17 @@ def test_train_quiets_the_libraries_before_anything_imports_torch():
     env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert done.stdout.split() == ["ERROR", "False"], done.stderr
+
+
+@pytest.mark.parametrize("generator, ray, where", [
+    ({"type": "vllm"}, {}, "cpu cores 0-1"),
+    ({"type": "vllm", "engine_process": "separate"}, {}, "cpu cores 0-1 (engine in its own process)"),
+    ({"type": "server", "urls": ["http://a:1", "http://b:2/"]}, {}, "vllm serve at http://a:1, http://b:2"),
+    ({"type": "ray", "replicas": 3}, {}, "3 replicas on a local Ray"),
+    ({"type": "ray"}, {"address": "auto"}, "2 replicas on the running Ray cluster"),
+    ({"type": "ray"}, {"address": "ray://h:10001"}, "2 replicas on the Ray cluster at ray://h:10001"),
+])
+def test_each_generator_type_says_where_it_runs(generator, ray, where):
+    sync = {"transport": "shm"} if generator.get("engine_process") == "separate" else None
+    config = TrainConfig.model_validate({"generator": generator, "ray": ray, **({"sync": sync} if sync else {})})
+    assert config.generator.describe_where("cpu cores 0-1", config.ray.address) == where

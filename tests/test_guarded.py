@@ -1,10 +1,12 @@
-"""GuardedPool: user functions in worker processes, concurrent, each call with its own limit."""
+"""Guarded calls: user functions in worker processes (GuardedPool), and objects of this process
+on threads of their own (call_guarded); concurrent, each call with its own limit."""
 
 import asyncio
+import threading
 
 import pytest
 
-from lora_async.guarded import GuardedError, GuardedPool
+from lora_async.guarded import GuardedError, GuardedPool, call_guarded
 
 MODULE = '''
 import asyncio, os, sys, time
@@ -136,3 +138,82 @@ def test_unloadable_functions_fail_at_construction(module):
         GuardedPool(f"{module}:missing", timeout_s=1.0)
     with pytest.raises(GuardedError, match="not of the form module:function"):
         GuardedPool("no_colon", timeout_s=1.0)
+
+
+# ---- call_guarded: objects of this process
+
+
+def test_plain_calls_here_run_at_once():
+    """Four calls that each wait for all four: one at a time (a lock, a busy executor), none would return."""
+    meet = threading.Barrier(4, timeout=60)
+
+    async def run():
+        return await asyncio.gather(*(call_guarded(meet.wait, timeout_s=60, what="meet") for _ in range(4)))
+
+    results = asyncio.run(run())
+    assert all(r.ok for r in results) and sorted(r.value for r in results) == [0, 1, 2, 3]
+
+
+def test_a_hung_plain_call_here_is_left_behind_and_holds_nothing_back():
+    release = threading.Event()
+
+    async def run():
+        return await asyncio.gather(call_guarded(release.wait, timeout_s=0.2, what="hangs"),
+                                    call_guarded(lambda: 7, timeout_s=60, what="quick"))
+
+    try:
+        hung, quick = asyncio.run(run())
+        assert hung.timed_out and hung.message == "timed out after 0.2s" and not hung.ok
+        assert quick.ok and quick.value == 7
+        assert any(t.name == "lora-async-guarded-hangs" and t.daemon for t in threading.enumerate())  # still waiting
+    finally:
+        release.set()
+
+
+def test_faults_here_become_results():
+    def raises(text):
+        raise ValueError(text)
+
+    def exits():
+        raise SystemExit(3)  # user code must not end the run
+
+    async def araises():
+        raise KeyError("gone")
+
+    class Awaitable:
+        def __await__(self):
+            yield
+
+    def hands_back_an_awaitable():
+        return Awaitable()
+
+    async def run():
+        return await asyncio.gather(call_guarded(raises, "bad input", timeout_s=5, what="raises"),
+                                    call_guarded(exits, timeout_s=5, what="exits"),
+                                    call_guarded(araises, timeout_s=5, what="araises"),
+                                    call_guarded(hands_back_an_awaitable, timeout_s=5, what="step"))
+
+    raised, exited, araised, awaitable = asyncio.run(run())
+    assert raised.message == "ValueError: bad input" and isinstance(raised.exception, ValueError)
+    assert raised.location is not None and raised.location.split(":")[0].endswith("test_guarded.py")
+    assert exited.message == "SystemExit: 3" and araised.message == "KeyError: 'gone'"
+    assert awaitable.message == "TypeError: step returned an awaitable from a plain method"
+
+
+def test_an_async_call_here_runs_on_the_callers_loop_and_is_cancelled_at_its_deadline():
+    seen = {}
+
+    async def hangs():
+        seen["loop"] = asyncio.get_running_loop()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            seen["cancelled"] = True
+            raise
+
+    async def run():
+        result = await call_guarded(hangs, timeout_s=0.2, what="hangs")
+        return result, asyncio.get_running_loop()
+
+    result, loop = asyncio.run(run())
+    assert result.timed_out and seen == {"loop": loop, "cancelled": True}

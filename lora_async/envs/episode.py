@@ -21,12 +21,11 @@ order), the episodes of a group call their environments at once (`source.py`), a
 from __future__ import annotations
 
 import asyncio
-import inspect
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..generator.types import GenRequest, GenResult, GenStatus
+from ..guarded import call_guarded
 from ..outcomes import Outcome
 from ..rollout import Generate, sub_seed
 from ..timing import NO_WAITS, Wait, Waits
@@ -130,44 +129,15 @@ class EpisodeSettings:
                    env_timeout_s=task.env_timeout_s, partial=config.buffer.partial_rollouts and not greedy)
 
 
-async def guarded(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str) -> Any:
-    """Call a user's environment method (plain or async) with a time limit. A plain one runs on
-    its own daemon thread: if it hangs, nobody waits for it (it is left behind, counted)."""
-    try:
-        if inspect.iscoroutinefunction(fn):
-            return await asyncio.wait_for(fn(*args), timeout_s)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-
-        def settle(value: Any, error: BaseException | None) -> None:
-            if future.done():
-                return  # timed out meanwhile
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(value)
-
-        def call() -> None:
-            value, error = None, None
-            try:
-                value = fn(*args)
-                if inspect.isawaitable(value):
-                    raise TypeError(f"{what} returned an awaitable from a plain method")
-            except BaseException as exc:  # noqa: BLE001 - a user's fault, reported as data
-                error = exc
-            try:
-                loop.call_soon_threadsafe(settle, value, error)
-            except RuntimeError:
-                pass  # the loop is gone: the run ended while this call hung
-
-        threading.Thread(target=call, name=f"lora-async-env-{what}", daemon=True).start()
-        return await asyncio.wait_for(future, timeout_s)
-    except asyncio.TimeoutError:
-        raise EpisodeError(f"{what} timed out after {timeout_s:g}s") from None
-    except EpisodeError:
-        raise
-    except Exception as exc:
-        raise EpisodeError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str) -> Any:
+    """Call a user's environment method (plain or async) with a time limit (`guarded.call_guarded`:
+    a plain one on a thread of its own, left behind if it hangs); its fault is an EpisodeError."""
+    result = await call_guarded(fn, *args, timeout_s=timeout_s, what=what)
+    if result.timed_out:
+        raise EpisodeError(f"{what} timed out after {timeout_s:g}s")
+    if not result.ok:
+        raise EpisodeError(f"{what} raised {result.message}") from result.exception
+    return result.value
 
 
 class Episode:
@@ -190,7 +160,7 @@ class Episode:
         """The whole episode. Raises EpisodeError if the environment fails before it opens and
         EpisodeAborted if generation cannot go on; anything later ends it with `outcome`."""
         with self.waits.timed(Wait.ENV):
-            opening = await guarded(self.env.reset, timeout_s=self.settings.env_timeout_s, what="reset")
+            opening = await call_env(self.env.reset, timeout_s=self.settings.env_timeout_s, what="reset")
         check_messages(opening, "reset")
         messages = self.renderer.with_system(opening)
         traj = Trajectory(self.renderer.opening(opening), messages=messages, opened=len(messages))
@@ -211,7 +181,7 @@ class Episode:
             traj.messages.append({"role": "assistant", "content": text})
             reply, tool_messages = await self._use_tools(text, turn, finish == "length", traj)
             with self.waits.timed(Wait.ENV):
-                result = await guarded(self.env.step, reply, timeout_s=s.env_timeout_s, what="step")
+                result = await call_env(self.env.step, reply, timeout_s=s.env_timeout_s, what="step")
             if not isinstance(result, StepResult):
                 raise EpisodeError(f"step returned {type(result).__name__}, not a StepResult")
             check_messages(result.messages, "step")

@@ -31,7 +31,7 @@ from ..rewards import Batch, Rewards, make_rewards
 from ..sandbox import describe as describe_isolation, is_sandboxed
 from ..timing import NO_WAITS, Waits
 from .api import Split, check_env
-from .episode import Episode, EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, guarded
+from .episode import Episode, EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, call_env
 from .render import ChatRenderer
 from .tools import SimulatedLatency, ToolBox, ToolError, tool_schemas
 
@@ -145,7 +145,7 @@ class EnvSource:
 
     async def build(self, index: int, split: Split) -> Any:
         """The environment of problem `index` (EpisodeError or TypeError if the factory fails)."""
-        env = await guarded(self.factory, index, split, timeout_s=self.config.env_timeout_s, what="the factory")
+        env = await call_env(self.factory, index, split, timeout_s=self.config.env_timeout_s, what="the factory")
         check_env(env, self.where)
         return env
 
@@ -153,7 +153,7 @@ class EnvSource:
         """The rendered opening of an episode (None if the environment fails to open it)."""
         try:
             env = await self.build(index, split)
-            messages = await guarded(env.reset, timeout_s=self.config.env_timeout_s, what="reset")
+            messages = await call_env(env.reset, timeout_s=self.config.env_timeout_s, what="reset")
             return self.renderer(tokenizer).opening(messages)
         except (EpisodeError, TypeError, KeyError):
             return None

@@ -210,20 +210,20 @@ class ToolBox:
         if self.latency is not None:
             await asyncio.sleep(self.latency.draw())
         try:
-            outcome = await pool.acall(call.arguments, strict=True)  # a wrong argument is the model's mistake
-        except Exception as exc:  # the pool answers every failure as an Outcome; this is a last guard
+            result = await pool.acall(call.arguments, strict=True)  # a wrong argument is the model's mistake
+        except Exception as exc:  # the pool answers every failure as a CallResult; this is a last guard
             return self._count(call, f"error: {type(exc).__name__}: {exc}")
-        if outcome.timed_out:
+        if result.timed_out:
             return self._count(call, f"error: tool {call.name!r} timed out after {self.timeout_s:g}s",
                                timed_out=True)
-        if outcome.unavailable:
+        if result.unavailable:
             # The module broke after startup: a worker cannot start again. Its import error is
             # for the person reading last_error, not for the model.
-            return self._count(call, f"error: tool {call.name!r} is unavailable", detail=outcome.message)
-        if not outcome.ok:
+            return self._count(call, f"error: tool {call.name!r} is unavailable", detail=result.message)
+        if not result.ok:
             # The model gets the message; the location is for the person reading last_error.
-            return self._count(call, f"error: {outcome.message}", detail=outcome.error)
-        return self._count(call, str(outcome.value), failed=False)
+            return self._count(call, f"error: {result.message}", detail=result.error)
+        return self._count(call, str(result.value), failed=False)
 
     def _count(self, call: ToolCall, content: str, failed: bool = True, timed_out: bool = False,
                detail: str | None = None) -> ToolResult:

@@ -12,36 +12,46 @@ what they share; `vllm/` is the one place that touches vLLM itself. Nothing here
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Union
 
+from .receivers import EngineReceiver, ReplicaReceiver, ServerReceiver
 from .types import (AdapterVersion, Delivery, GenRequest, GenResult, Generator, GeneratorDead, GeneratorStats,
                     GenStatus, PublishStats, Sample, generate_async)
 
 __all__ = ["AdapterVersion", "Delivery", "GenRequest", "GenResult", "Generator", "GeneratorDead",
-           "GeneratorStats", "GenStatus", "PublishStats", "Sample", "generate_async", "make_generator"]
+           "GeneratorStats", "GenStatus", "PublishStats", "RunGenerator", "Sample", "generate_async",
+           "make_generator"]
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
     from ..learner.served_base import Recipe
     from ..placement import Placement
 
+# What `make_generator` builds: a generator whose receiver is one engine home's (the config pairs
+# it with a transport that needs that receiver).
+RunGenerator = Union[Generator[EngineReceiver], Generator[ServerReceiver], Generator[ReplicaReceiver]]
+
 
 def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement",
-                   recipe: "Recipe | None" = None) -> Generator[Any]:
+                   recipe: "Recipe | None" = None) -> RunGenerator:
     """The generator `[generator]` names: an engine of our own ("vllm"), remote servers ("server"),
     or engine replicas on Ray ("ray"), serving `model_dir` (the learner's dequantised base, built
-    by `recipe`, when the run serves it)."""
-    from ..config import RayGeneratorConfig, ServerGeneratorConfig
+    by `recipe`, when the run serves it; servers cannot build it, so they are checked to serve it)."""
+    from ..config import RayGeneratorConfig, ServerGeneratorConfig, VllmGeneratorConfig
 
     gen = config.generator
-    if isinstance(gen, RayGeneratorConfig):
-        from .ray.generator import RayGenerator
+    match gen:
+        case VllmGeneratorConfig():
+            from .engine import EngineSpec, VllmGenerator
 
-        return RayGenerator.from_config(config, gen, model_dir, recipe)
-    if isinstance(gen, ServerGeneratorConfig):
-        from .server import ServerGenerator
+            return VllmGenerator(EngineSpec.from_config(config, model_dir, placement.device), placement)
+        case ServerGeneratorConfig():
+            from .server import ServerGenerator
 
-        return ServerGenerator.from_config(config, gen, model_dir)
-    from .engine import EngineSpec, VllmGenerator
+            base_command = None if recipe is None else recipe.server_command(config.model.name)
+            return ServerGenerator.from_config(config, gen, model_dir, base_command)
+        case RayGeneratorConfig():
+            from .ray.generator import RayGenerator
 
-    return VllmGenerator(EngineSpec.from_config(config, model_dir, placement.device), placement)
+            return RayGenerator.from_config(config, gen, model_dir, recipe)
+    raise TypeError(f"no generator for {type(gen).__name__}")

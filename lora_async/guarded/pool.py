@@ -8,7 +8,7 @@ A pool owns the children (`worker.py`) and one thread that feeds them:
   (so a fast function keeps one process, a slow one as many as calls wait);
 - an `async def` function runs in one process, up to `size` calls at once on its event loop.
 
-Every failure becomes an `Outcome` with an error text. A call past `timeout_s` (counted from
+Every failure becomes a `CallResult` with an error text. A call past `timeout_s` (counted from
 when a worker takes it, not from a wait in the queue) is cut off alone: a plain call's process
 is killed (the next call starts another), an async call's coroutine is cancelled. An async
 function that ignores cancellation (it blocks its event loop) loses its process after a grace
@@ -23,63 +23,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import itertools
-import json
 import os
 import selectors
 import threading
 import time
 from typing import Any, Iterable, Mapping
 
-from .process import Call, Worker
+from .process import Call, Worker, request_line
+from .result import CallResult, GuardedError
 
 HELLO_TIMEOUT_S = 60.0  # importing a user module may pull in sympy, numpy, ...; only a hang is this slow
 GROW_AFTER_S = 0.05  # a queued call that waited this long starts another worker (up to the size)
 CANCEL_GRACE_S = 2.0  # an async call that does not end this long after its cancel costs its process
 WAKE_CHUNK = 4096
-
-
-def _as_json(obj: Any) -> Any:
-    """What JSON carries for an argument it cannot: a dataclass as its fields, a set as a list,
-    anything else as its text (an env's `info` may hold arbitrary objects)."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.asdict(obj)
-    if isinstance(obj, (set, frozenset)):
-        return sorted(obj, key=repr)
-    return str(obj)
-
-
-class GuardedError(ValueError):
-    """The function cannot be used at all (import failure, not callable, no signature)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """The result of one call: a value, or an error message (and where it was raised).
-
-    `started`/`ended` are wall-clock times (`time.time()`) of the call itself, as its worker
-    saw them; `wait_s` is what the caller waited, from `submit` to the result, queue included."""
-
-    value: Any = None
-    message: str | None = None  # "ValueError: bad input"; None on success
-    location: str | None = None  # "path/to/file.py:12", where the exception was raised
-    timed_out: bool = False
-    unavailable: bool = False  # no worker could start (the module broke after the first one did)
-    started: float | None = None
-    ended: float | None = None
-    wait_s: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.message is None
-
-    @property
-    def error(self) -> str | None:
-        """The error text with its location, e.g. "TypeError: ... (file.py:3)"."""
-        if self.message is None or self.location is None:
-            return self.message
-        return f"{self.message} ({self.location})"
 
 
 class GuardedPool:
@@ -132,35 +89,35 @@ class GuardedPool:
         could clash with `strict` (a tool's arguments, a record's fields). Not strict: keywords
         the function does not take are dropped (the reward rule). Strict: they are an error, as
         are missing ones (the tool rule: the model's mistake, told back to it). The future's
-        result is an `Outcome`; it never raises."""
+        result is a `CallResult`; it never raises."""
         merged = {**(arguments or {}), **kwargs}
         if not strict:
             merged = {k: v for k, v in merged.items() if self.var_kw or k in self.params}
         future: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._ids)
         try:
-            request = json.dumps({"id": call_id, "kwargs": merged}, default=_as_json).encode() + b"\n"
+            request = request_line(call_id, merged)
         except ValueError as exc:  # a circular structure
-            future.set_result(Outcome(message=f"arguments are not JSON: {exc}"))
+            future.set_result(CallResult(message=f"arguments are not JSON: {exc}"))
             return future
         with self._lock:
             if self._closed:
-                future.set_result(Outcome(message="the pool is closed"))
+                future.set_result(CallResult(message="the pool is closed"))
                 return future
             self._incoming.append(Call(call_id, request, future))
         self._wake()
         return future
 
     def call(self, arguments: Mapping[str, Any] | None = None, /, *, strict: bool = False,
-             **kwargs: Any) -> Outcome:
+             **kwargs: Any) -> CallResult:
         """`submit` and wait for the result (from a thread)."""
-        result: Outcome = self.submit(arguments, strict=strict, **kwargs).result()
+        result: CallResult = self.submit(arguments, strict=strict, **kwargs).result()
         return result
 
     async def acall(self, arguments: Mapping[str, Any] | None = None, /, *, strict: bool = False,
-                    **kwargs: Any) -> Outcome:
+                    **kwargs: Any) -> CallResult:
         """`submit` and await the result (from any event loop)."""
-        result: Outcome = await asyncio.wrap_future(self.submit(arguments, strict=strict, **kwargs))
+        result: CallResult = await asyncio.wrap_future(self.submit(arguments, strict=strict, **kwargs))
         return result
 
     @property
@@ -179,7 +136,7 @@ class GuardedPool:
         for worker in list(self._workers):
             self._end(worker, "the pool is closed", gently=True)
         for call in [*self._queue, *self._incoming]:
-            self._settle(call, Outcome(message="the pool is closed"))
+            self._settle(call, CallResult(message="the pool is closed"))
         self._queue.clear()
         self._incoming.clear()
         self._selector.close()
@@ -306,10 +263,10 @@ class GuardedPool:
             return
         started, ended, wait_s = reply.get("started"), reply.get("ended"), time.monotonic() - call.submitted
         if "error" in reply:
-            self._settle(call, Outcome(message=str(reply["error"]), location=reply.get("where"), started=started,
-                                       ended=ended, wait_s=wait_s))
+            self._settle(call, CallResult(message=str(reply["error"]), location=reply.get("where"), started=started,
+                                          ended=ended, wait_s=wait_s))
         else:
-            self._settle(call, Outcome(value=reply.get("value"), started=started, ended=ended, wait_s=wait_s))
+            self._settle(call, CallResult(value=reply.get("value"), started=started, ended=ended, wait_s=wait_s))
 
     def _expire(self, now: float) -> None:
         """Cut off calls past their deadline, and workers that never said hello or never let go."""
@@ -323,12 +280,12 @@ class GuardedPool:
                 continue
             for call in [c for c in worker.calls.values() if now >= c.deadline]:
                 del worker.calls[call.id]
-                self._settle(call, Outcome(message=f"timed out after {self.timeout_s:g}s", timed_out=True,
-                                           started=call.started, ended=time.time(),
-                                           wait_s=now - call.submitted))
+                self._settle(call, CallResult(message=f"timed out after {self.timeout_s:g}s", timed_out=True,
+                                              started=call.started, ended=time.time(),
+                                              wait_s=now - call.submitted))
                 if self.is_async:
                     worker.cancelling[call.id] = now + CANCEL_GRACE_S
-                    worker.write(json.dumps({"cancel": call.id}).encode() + b"\n")
+                    worker.cancel(call.id)
                 else:
                     self._end(worker, "")  # it held only this call
 
@@ -355,21 +312,21 @@ class GuardedPool:
                 pass
         worker.kill(gently)
         for call in worker.calls.values():
-            self._settle(call, Outcome(message=message, started=call.started, ended=time.time(),
-                                       wait_s=time.monotonic() - call.submitted))
+            self._settle(call, CallResult(message=message, started=call.started, ended=time.time(),
+                                          wait_s=time.monotonic() - call.submitted))
         worker.calls.clear()
 
     # ---- small helpers
     def _fail_queue(self, message: str) -> None:
         """No worker can take the queued calls: each gets `message`, as unavailable."""
         while self._queue:
-            self._settle(self._queue.popleft(), Outcome(message=message, unavailable=True))
+            self._settle(self._queue.popleft(), CallResult(message=message, unavailable=True))
 
     @staticmethod
-    def _settle(call: Call, outcome: Outcome) -> None:
+    def _settle(call: Call, result: CallResult) -> None:
         if not call.future.done():
             try:
-                call.future.set_result(outcome)
+                call.future.set_result(result)
             except concurrent.futures.InvalidStateError:  # cancelled by its caller meanwhile
                 pass
 

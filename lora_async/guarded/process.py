@@ -1,5 +1,6 @@
 """One worker process of a `GuardedPool`, from the parent's side: starting it, its pipes, the
-lines it writes, ending it. Scheduling calls onto workers is the pool's (`pool.py`)."""
+lines it reads and writes (`worker.py` has the protocol), ending it. Scheduling calls onto
+workers is the pool's (`pool.py`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,21 @@ from typing import IO, Any, Mapping
 WORKER_MODULE = "lora_async.guarded.worker"
 STDERR_TAIL_CHARS = 500  # how much of a dead child's stderr goes into its error message
 READ_CHUNK = 65536
+
+
+def _as_json(obj: object) -> object:
+    """What JSON carries for an argument it cannot: a dataclass as its fields, a set as a list,
+    anything else as its text (an env's `info` may hold arbitrary objects)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=repr)
+    return str(obj)
+
+
+def request_line(call_id: int, kwargs: Mapping[str, object]) -> bytes:
+    """The line that asks a worker for one call (ValueError: a circular structure)."""
+    return json.dumps({"id": call_id, "kwargs": kwargs}, default=_as_json).encode() + b"\n"
 
 
 @dataclasses.dataclass(eq=False)
@@ -103,6 +119,10 @@ class Worker:
             return True
         except (OSError, ValueError):
             return False
+
+    def cancel(self, call_id: int) -> None:
+        """Ask an async worker to cancel call `call_id` (it answers when the call has ended)."""
+        self.write(json.dumps({"cancel": call_id}).encode() + b"\n")
 
     def exit_code(self, wait_s: float) -> int | None:
         try:

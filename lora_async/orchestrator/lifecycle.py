@@ -22,7 +22,7 @@ from ..adapters import AdapterStore
 from ..buffer import RolloutBuffer
 from ..checkpoint import RunState, checkpoint_auto, latest_checkpoint, load_checkpoint
 from ..config import TrainConfig, dump_config
-from ..generator.types import Generator
+from ..generator import RunGenerator
 from ..learner.api import LearnerAPI
 from ..metrics import MetricsWriter, summary_table, truncate_metrics, where_the_time_went
 from ..placement import Placement, pin_current_thread
@@ -43,8 +43,8 @@ class Parts(Protocol):
 
     def describe(self) -> str: ...
     def tokenizer(self) -> Any: ...
-    def generator(self) -> Generator: ...
-    def transport(self, generator: Generator) -> Transport: ...
+    def generator(self) -> RunGenerator: ...
+    def transport(self, generator: RunGenerator) -> Transport: ...
     def learner(self) -> LearnerAPI:
         """Called on the learner's own thread (pinned to `learner_placement`)."""
 
@@ -69,17 +69,7 @@ class LocalParts:
         self.base_dir, self.base_recipe = served_base.generator_base(config, self.model_dir,
                                                                      self.learner_placement.device, console)
         served_base.record(out_dir, config.model.name, self.base_dir, self.base_recipe)
-        gen = config.generator
-        if gen.type == "server":
-            self.where = f"vllm serve at {', '.join(gen.urls)}"
-        elif gen.type == "ray":
-            address = config.ray.address
-            cluster = ("a local Ray" if address is None else "the running Ray cluster" if address == "auto"
-                       else f"the Ray cluster at {address}")
-            self.where = f"{gen.replicas} replicas on {cluster}"
-        else:
-            self.where = self.generator_placement.describe() + (
-                " (engine in its own process)" if gen.engine_home == "separate" else "")
+        self.where = config.generator.describe_where(self.generator_placement.describe(), config.ray.address)
 
     def describe(self) -> str:
         config = self.config
@@ -100,21 +90,12 @@ class LocalParts:
 
         return AutoTokenizer.from_pretrained(self.model_dir)
 
-    def generator(self) -> Generator:
+    def generator(self) -> RunGenerator:
         from ..generator import make_generator
-        from ..generator.server import ServerGenerator
 
-        recipe = self.base_recipe
-        generator = make_generator(self.config, self.base_dir, self.generator_placement, recipe)
-        if recipe is not None and isinstance(generator, ServerGenerator):  # servers it cannot build a base for
-            try:
-                generator.check_base(self.base_dir, recipe.server_command(self.config.model.name))
-            except Exception:
-                generator.close()
-                raise
-        return generator
+        return make_generator(self.config, self.base_dir, self.generator_placement, self.base_recipe)
 
-    def transport(self, generator: Generator) -> Transport:
+    def transport(self, generator: RunGenerator) -> Transport:
         from ..sync.factory import make_transport
 
         return make_transport(self.config, generator, self.learner_placement.device, self.out_dir)

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from ..guarded import GuardedError, GuardedPool, Outcome
+from ..guarded import CallResult, GuardedError, GuardedPool
 from .builtin import builtin_reward
 from .code import SPEC as CODE_TESTS_SPEC
 
@@ -167,41 +167,42 @@ class PooledFunction:
     async def score(self, batch: Batch) -> FunctionScores:
         if self.batched:
             return self._batched(batch, await self._pool.acall(batch.batch_kwargs()))
-        outcomes = await asyncio.gather(*(self._pool.acall(batch.sample_kwargs(i))
-                                          for i in range(len(batch.completions))))
-        scores = FunctionScores([], [], [self._call(o) for o in outcomes], sum(o.timed_out for o in outcomes))
-        for outcome in outcomes:
-            value, error = checked(self.spec, outcome.value) if outcome.ok else (None, self._error(outcome))
+        results = await asyncio.gather(*(self._pool.acall(batch.sample_kwargs(i))
+                                         for i in range(len(batch.completions))))
+        scores = FunctionScores([], [], [self._call(r) for r in results], sum(r.timed_out for r in results))
+        for result in results:
+            value, error = checked(self.spec, result.value) if result.ok else (None, self._error(result))
             scores.values.append(0.0 if error else value)
             scores.errors.append(error)
         return scores
 
-    def _batched(self, batch: Batch, outcome: Outcome) -> FunctionScores:
+    def _batched(self, batch: Batch, result: CallResult) -> FunctionScores:
         n = len(batch.completions)
-        scores = FunctionScores([0.0] * n, [None] * n, [self._call(outcome)], int(outcome.timed_out))
-        error = None if outcome.ok else self._error(outcome)
-        values = outcome.value
-        if error is None and not isinstance(values, list):
+        scores = FunctionScores([0.0] * n, [None] * n, [self._call(result)], int(result.timed_out))
+        values = result.value
+        if not result.ok:
+            error = self._error(result)
+        elif not isinstance(values, list):
             error = (f"{self.spec}: returned {str(values)[:60]} (a {type(values).__name__}), not a list; a batched "
                      f"reward (it takes `completions`) returns one float or None per completion, {n} here")
-        elif error is None and len(values) != n:
+        elif len(values) != n:
             error = (f"{self.spec}: returned {len(values)} values for {n} completions; a batched reward returns "
                      "one float or None per completion")
-        if error is not None:
-            scores.errors = [error] * n
+        else:
+            for i, value in enumerate(values):
+                scores.values[i], scores.errors[i] = checked(self.spec, value)
+                if scores.errors[i] is not None:
+                    scores.values[i] = 0.0
             return scores
-        for i, value in enumerate(values):
-            scores.values[i], scores.errors[i] = checked(self.spec, value)
-            if scores.errors[i] is not None:
-                scores.values[i] = 0.0
+        scores.errors = [error] * n
         return scores
 
-    def _error(self, outcome: Outcome) -> str:
-        return f"{self.spec}: {outcome.error}"
+    def _error(self, result: CallResult) -> str:
+        return f"{self.spec}: {result.error}"
 
     @staticmethod
-    def _call(outcome: Outcome) -> Call:
-        return Call(outcome.wait_s, outcome.started, outcome.ended)
+    def _call(result: CallResult) -> Call:
+        return Call(result.wait_s, result.started, result.ended)
 
     def close(self) -> None:
         self._pool.close()

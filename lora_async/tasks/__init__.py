@@ -9,8 +9,8 @@ contract the orchestrator and `evaluate` use (`rollout.RolloutSource`).
 
 from __future__ import annotations
 
-from ..config import (AdapterSpec, ArithmeticTask, DatasetTask, EnvTask, ProblemTask, ReasoningGymTask,
-                      TrainConfig, auto_workers)
+from ..config import (AdapterSpec, ArithmeticTask, DatasetTask, EnvTask, JsonlTask, ProblemTask,
+                      ReasoningGymTask, TrainConfig, auto_workers)
 from ..rewards import RewardError
 from ..rollout import RolloutSource
 from .problems import Problem, RewardStats, Task, TaskDataError, render_prompt
@@ -22,23 +22,26 @@ __all__ = ["Problem", "RewardStats", "Task", "TaskDataError", "check_task", "mak
 def make_task(config: ProblemTask | EnvTask, seed: int, in_flight: int = 1, where: str = "task") -> Task:
     """The problem set of a single-turn `[task]` table; `in_flight` completions at once size its
     reward pools unless `reward_workers` says. Errors name the table `where` ("adapters.2.task")."""
-    if isinstance(config, EnvTask):
-        raise ValueError(f"an environment task ({config.env}) has no problem set; use make_source")
-    if isinstance(config, ArithmeticTask):
-        from .arithmetic import ArithmeticProblems
+    match config:
+        case ArithmeticTask():
+            from .arithmetic import ArithmeticProblems
 
-        return ArithmeticProblems(config, seed)
-    if isinstance(config, ReasoningGymTask):
-        from .reasoning_gym import ReasoningGymProblems
+            return ArithmeticProblems(config, seed)
+        case JsonlTask():
+            from .jsonl import JsonlProblems
 
-        return ReasoningGymProblems(config, seed, where)
-    if isinstance(config, DatasetTask):
-        from .dataset import DatasetProblems
+            return JsonlProblems(config, seed, auto_workers(config.reward_workers, in_flight))
+        case DatasetTask():
+            from .dataset import DatasetProblems
 
-        return DatasetProblems(config, seed, auto_workers(config.reward_workers, in_flight), where)
-    from .jsonl import JsonlProblems
+            return DatasetProblems(config, seed, auto_workers(config.reward_workers, in_flight), where)
+        case ReasoningGymTask():
+            from .reasoning_gym import ReasoningGymProblems
 
-    return JsonlProblems(config, seed, auto_workers(config.reward_workers, in_flight))
+            return ReasoningGymProblems(config, seed, where)
+        case EnvTask():
+            raise ValueError(f"an environment task ({config.env}) has no problem set; use make_source")
+    raise TypeError(f"no task for {type(config).__name__}")
 
 
 def check_task(config: ProblemTask | EnvTask, where: str) -> None:
@@ -46,14 +49,17 @@ def check_task(config: ProblemTask | EnvTask, where: str) -> None:
     installed, its dataset has the configured splits and columns, its generators take their
     settings. Raises `TaskDataError`, one line naming the field (`where` is the table:
     "task", "adapters.2.task")."""
-    if isinstance(config, DatasetTask):
-        from .dataset import check_dataset
+    match config:
+        case DatasetTask():
+            from .dataset import check_dataset
 
-        check_dataset(config, where)
-    elif isinstance(config, ReasoningGymTask):
-        from .reasoning_gym import check_reasoning_gym
+            check_dataset(config, where)
+        case ReasoningGymTask():
+            from .reasoning_gym import check_reasoning_gym
 
-        check_reasoning_gym(config, where)
+            check_reasoning_gym(config, where)
+        case ArithmeticTask() | JsonlTask() | EnvTask():
+            pass  # nothing to check before the run: generated, or read (and checked) when the task is made
 
 
 def make_source(spec: AdapterSpec, config: TrainConfig, seed: int) -> RolloutSource:
@@ -63,14 +69,17 @@ def make_source(spec: AdapterSpec, config: TrainConfig, seed: int) -> RolloutSou
     Rewards and tools keep as many calls going as completions or episodes can be in flight:
     `generator.groups_in_flight` groups of `samples_per_prompt` (unless the task says)."""
     in_flight = config.generator.groups_in_flight * spec.sampling.samples_per_prompt
-    if isinstance(spec.task, EnvTask):
-        from ..envs.episode import EpisodeSettings
-        from ..envs.source import EnvSource
+    task = spec.task
+    match task:
+        case EnvTask():
+            from ..envs.episode import EpisodeSettings
+            from ..envs.source import EnvSource
 
-        return EnvSource(spec.task, seed, f"{spec.task_path}.env", spec.name, EpisodeSettings.for_adapter(config, spec),
-                         EpisodeSettings.for_adapter(config, spec, greedy=True), spec.sampling.samples_per_prompt,
-                         in_flight)
-    from .source import SingleTurnSource
+            return EnvSource(task, seed, f"{spec.task_path}.env", spec.name, EpisodeSettings.for_adapter(config, spec),
+                             EpisodeSettings.for_adapter(config, spec, greedy=True), spec.sampling.samples_per_prompt,
+                             in_flight)
+        case _:
+            from .source import SingleTurnSource
 
-    return SingleTurnSource(make_task(spec.task, seed, in_flight, spec.task_path), spec.name, spec.sampling,
-                            spec.eval_max_tokens)
+            return SingleTurnSource(make_task(task, seed, in_flight, spec.task_path), spec.name, spec.sampling,
+                                    spec.eval_max_tokens)

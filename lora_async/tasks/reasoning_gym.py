@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 from ..config import ReasoningGymDataset, ReasoningGymTask
 from ..errors import error_line
+from ..guarded import call_guarded
 from ..rewards import Batch, Rewards
 from ..rewards.functions import FunctionScores, checked
 from .problems import Problem, RewardStats, TaskDataError
@@ -142,7 +143,8 @@ def check_reasoning_gym(config: ReasoningGymTask, where: str) -> None:
 
 class ReasoningGymScorer:
     """`rewards.RewardFunction`: each completion scored by the `score_answer` of the dataset that
-    made its problem, in a thread (scorers are plain Python, some slow) so the event loop goes on.
+    made its problem, on a thread of its own (`guarded.call_guarded`: scorers are plain Python,
+    some slow), so the event loop goes on and one scorer never waits behind another.
     A scorer that raises or runs past `timeout_s` scores 0 and its error is counted; an empty
     answer scores 0 without asking the scorer."""
 
@@ -173,14 +175,15 @@ class ReasoningGymScorer:
         if dataset is None:
             return 0.0, f"{self.spec}: the problem names no dataset of this task ({name!r})", False
         entry = {"question": batch.prompt, "answer": batch.answer, "metadata": batch.fields.get("metadata", {})}
-        try:
-            # The thread of a scorer past its time runs on; only its result is dropped.
-            raw = await asyncio.wait_for(asyncio.to_thread(dataset.score_answer, answer, entry), self.timeout_s)
-        except asyncio.TimeoutError:
+        # On a thread of its own: a scorer past its time runs on, and only its result is dropped.
+        result = await call_guarded(dataset.score_answer, answer, entry, timeout_s=self.timeout_s,
+                                    what=f"{name}.score_answer")
+        if result.timed_out:
             return 0.0, f"{self.spec}: {name}.score_answer took over {self.timeout_s:g}s", True
-        except Exception as exc:
-            return 0.0, f"{self.spec}: {name}.score_answer raised {error_line(exc)}", False
-        value, error = checked(f"{self.spec}: {name}.score_answer", raw)
+        if not result.ok:
+            raised = error_line(result.exception) if result.exception is not None else result.message
+            return 0.0, f"{self.spec}: {name}.score_answer raised {raised}", False
+        value, error = checked(f"{self.spec}: {name}.score_answer", result.value)
         return (0.0, error, False) if error is not None or value is None else (value, None, False)
 
     def close(self) -> None:

@@ -62,10 +62,20 @@ class ServerGenerator:
         self.base_model = self._check_servers()
 
     @classmethod
-    def from_config(cls, config: TrainConfig, gen: ServerGeneratorConfig, model_dir: Path) -> "ServerGenerator":
-        """The generator a run's `[generator]` (type "server", `gen`) describes."""
-        return cls(ServerClient(gen.urls, gen.api_key), model_dir, config.buffer.window,
-                   config.max_lora_rank, gen.request_timeout_s)
+    def from_config(cls, config: TrainConfig, gen: ServerGeneratorConfig, model_dir: Path,
+                    base_command: str | None = None) -> "ServerGenerator":
+        """The generator a run's `[generator]` (type "server", `gen`) describes. `base_command`:
+        the run serves a base it builds (`model_dir`), which servers cannot build; each must serve
+        it already (`check_base`), else this says how to start one on it."""
+        generator = cls(ServerClient(gen.urls, gen.api_key), model_dir, config.buffer.window,
+                        config.max_lora_rank, gen.request_timeout_s)
+        if base_command is not None:
+            try:
+                generator.check_base(model_dir, base_command)
+            except Exception:
+                generator.close()
+                raise
+        return generator
 
     def _check_servers(self) -> str:
         """Every replica answers /v1/models and serves the same base model; returns its name."""

@@ -1,4 +1,5 @@
-"""Everything that touches vLLM itself: `compat` (every internal used, checked for one vLLM
+"""Everything that touches vLLM itself: `release` (the vLLM release this is written for, and
+the check of the installed one), `compat` (every internal used, checked for one vLLM
 version; the others import it, never the reverse), `worker` (the extension mixed into vLLM's
 worker), `hotswap` (how it registers versions: vLLM's own build, or a retired version's
 LoRAModel refilled in place), `swap_plans` (what the refill follows: where each tensor lands in

