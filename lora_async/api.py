@@ -7,8 +7,9 @@
 
 The steps are the CLI's, in its order: the config's task files resolved, the preflight (devices,
 vLLM, the task's data), the memory plan's gate, then the run. Each failure is the exception the
-CLI turns into its exit code (`exit_code`): `ConfigError`, `PreflightError` and `PlanRefused`
-before anything loads (2), `TrainingError` and the like once it runs (1).
+CLI turns into its exit code (`exit_code`): a `UserError` (`ConfigError`, `PreflightError`,
+`PlanRefused`, `TaskDataError`, ...) for bad input a user can fix (2), a `RunError`
+(`TrainingError` and the like) for a run that failed (1).
 
 Ctrl-C stops after the current step with a checkpoint, as in the CLI, and `train` returns the
 summary (`summary["ended"] == "requested"`); a second Ctrl-C aborts at once (KeyboardInterrupt).
@@ -26,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import ConfigError, TrainConfig, load_config
+from .config import TrainConfig, load_config
 from .config.load import Overrides, resolve_task_paths, with_overrides
+from .errors import RunError, TrainingError, UserError
 
 __all__ = ["exit_code", "load_config", "prepare", "run", "train", "warn"]
 
@@ -67,7 +69,7 @@ def prepare(cfg: TrainConfig, force: bool, warn: Callable[[str], None], hint: st
 def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """The run itself, to its end; raises `TrainingError` when it failed (after its summary and a
     checkpoint of what was learned are written)."""
-    from .orchestrator import StopSwitch, TrainingError, train as run_train
+    from .orchestrator import StopSwitch, train as run_train
 
     stop = StopSwitch()
 
@@ -82,27 +84,30 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
 
 
 def exit_code(exc: BaseException) -> int | None:
-    """The CLI's exit code for an error `train` raised: 2 for a run that cannot start as
-    configured, 1 for a run that failed, 130 for Ctrl-C; None for a bug (shown with its traceback)."""
+    """The CLI's exit code for an error `train` raised: 2 for bad input a user can fix
+    (`UserError`), 1 for a run that failed (`RunError`), 130 for Ctrl-C; None for a bug (shown
+    with its traceback)."""
     if isinstance(exc, KeyboardInterrupt):
         return 130
-    from .envs.source import EnvLoadError
-    from .plan.gate import PlanRefused
-    from .preflight import PreflightError
-
-    if isinstance(exc, (ConfigError, PreflightError, PlanRefused, EnvLoadError)):
+    if isinstance(exc, UserError):
         return 2
+    if isinstance(exc, RunError):
+        return 1
+    return _unclassed_exit_code(exc)
+
+
+def _unclassed_exit_code(exc: BaseException) -> int | None:
+    """The errors of `generator/` and `envs/` that do not subclass `UserError` or `RunError` yet:
+    each is one base class away, and then this goes."""
+    from .envs.source import EnvLoadError
     from .generator.ray.cluster import RayError
     from .generator.server.client import ServerError
     from .generator.types import GeneratorDead
     from .generator.vllm.compat import VllmCompatError
-    from .models import ModelError
-    from .orchestrator import TrainingError
-    from .sync.transports import TransportError
-    from .tasks import RewardError
 
-    if isinstance(exc, (TrainingError, ModelError, RewardError, TransportError, ServerError, GeneratorDead,
-                        VllmCompatError, RayError)):
+    if isinstance(exc, EnvLoadError):
+        return 2
+    if isinstance(exc, (ServerError, GeneratorDead, VllmCompatError, RayError)):
         return 1
     return None
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import UserError
+
 # bench/results/staleness/: v2 (lr 1e-4, target 0.5), programs (lr 2e-4, 0.8), reasoning-gym (lr 5e-4, 0.6)
 REPORTS = ("v2-seeds.json", "programs-3seeds.json", "rg-3seeds.json")
 MIN_SEEDS = 3
@@ -36,7 +38,7 @@ BUILTIN: dict[str, dict[int, float]] = {
 }
 
 
-class LagCostError(ValueError):
+class LagCostError(UserError, ValueError):
     """A `buffer.lag_costs` report that cannot be read or has no row for the run's loss."""
 
 

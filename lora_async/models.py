@@ -19,6 +19,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from .errors import RunError
+
 DEFAULT_MODEL = "smollm2-135m"
 CACHE_ENV = "LORA_ASYNC_CACHE"
 
@@ -47,7 +49,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
 }
 
 
-class ModelError(Exception):
+class ModelError(RunError):
     """A model name that cannot be resolved or built."""
 
 

@@ -15,11 +15,13 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .errors import UserError
+
 if TYPE_CHECKING:
     from .config import TrainConfig
 
 
-class PlacementError(ValueError):
+class PlacementError(UserError, ValueError):
     """A placement this machine cannot give (a missing GPU, too few cores); the message names the field."""
 
 

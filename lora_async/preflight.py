@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .errors import UserError
+
 if TYPE_CHECKING:
     from .config import TrainConfig
     from .placement import Placement
 
 
-class PreflightError(Exception):
+class PreflightError(UserError):
     """A run that cannot start as configured (one line, exit code 2)."""
 
 

@@ -105,10 +105,22 @@ def test_train_runs_the_cli_preflight_before_anything_loads(tmp_path: Path) -> N
 
 
 def test_exit_codes_match_the_cli() -> None:
-    assert exit_code(ConfigError("x")) == 2
-    assert exit_code(TrainingError("x")) == 1
+    from lora_async.errors import RunError, UserError
+    from lora_async.lag_cost import LagCostError
+    from lora_async.models import ModelError
+    from lora_async.placement import PlacementError
+    from lora_async.plan.gate import PlanRefused
+    from lora_async.sync.transports import TransportError
+    from lora_async.tasks import RewardError, TaskDataError
+
+    user_errors = (ConfigError, PreflightError, PlanRefused, TaskDataError, RewardError, LagCostError, PlacementError)
+    for error in user_errors:  # bad input a user can fix
+        assert issubclass(error, UserError) and exit_code(error("x")) == 2, error
+    for error in (TrainingError, ModelError, TransportError):  # a run that failed
+        assert issubclass(error, RunError) and exit_code(error("x")) == 1, error
     assert exit_code(KeyboardInterrupt()) == 130
     assert exit_code(RuntimeError("a bug")) is None  # shown with its traceback
+    assert exit_code(ValueError("a bug")) is None
 
 
 def test_a_stop_requested_before_the_run_starts_waits_for_it() -> None:

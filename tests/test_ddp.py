@@ -17,10 +17,10 @@ import torch
 from lora_async.buffer import TrainSample
 from lora_async.checkpoint import RunState, load_checkpoint, save_checkpoint
 from lora_async.config import LearnerConfig, LoraConfig, default_loss
+from lora_async.errors import TrainingError
 from lora_async.learner import Learner
 from lora_async.learner.packing import plan_step
 from lora_async.learner.parallel import ParallelLearner, RankTimeouts, assign_micro_batches
-from lora_async.orchestrator.state import TrainingError
 from lora_async.placement import Placement, PlacementError, available_cpus, rank_placements, resolve
 
 # Data-parallel ranks are spawned processes, each building a learner: the slow tier.

@@ -11,7 +11,7 @@ from lora_async.rewards import Batch, RewardError, make_rewards
 from lora_async.rewards.builtin import final_number, numeric_reward
 from lora_async.rewards.scoring import function_names
 from lora_async.rollout import RewardStats
-from lora_async.tasks import Problem, make_task
+from lora_async.tasks import Problem, TaskDataError, make_task
 
 USER_MODULE = '''
 import asyncio, time
@@ -321,8 +321,24 @@ def test_chat_prompts_and_the_answer_under_its_own_column(tmp_path, user_module)
     assert problems["4"].prompt == chat and problems["4"].text == "2+2?"
     assert problems["4"].fields == {"solution": "4"}  # TRL's accuracy_reward asks for `solution`
     data.write_text(json.dumps({"prompt": [{"role": "user"}], "answer": "4"}) + "\n")
-    with pytest.raises(RewardError, match="d.jsonl:1: field 'prompt' is a list but not chat messages"):
+    with pytest.raises(TaskDataError, match="d.jsonl:1: field 'prompt' is a list but not chat messages"):
         make_task(JsonlTask(path=str(data)), seed=0)
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"prompt": "2+2?", "answer": "4"', r"bad record, not JSON \(Expecting ',' delimiter"),
+    ('["2+2?", "4"]', "bad record, a JSON list where a record is an object"),
+    ('{"prompt": "2+2?", "solution": "4"}', "bad record, no field 'answer'"),
+])
+def test_a_bad_jsonl_record_is_task_data_error_naming_file_and_line(tmp_path, line, says):
+    from lora_async.api import exit_code
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n\n" + line + "\n")
+    with pytest.raises(TaskDataError, match=rf"^{data}:3: {says}") as info:
+        make_task(JsonlTask(path=str(data), heldout=0), seed=0)
+    assert "\n" not in str(info.value)
+    assert exit_code(info.value) == 2  # the user fixes the file: a config mistake's code, not a failed run
 
 
 def test_arithmetic_split_is_fixed_and_disjoint():

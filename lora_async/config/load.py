@@ -18,12 +18,13 @@ from typing import Annotated, Any, Iterator, Mapping, Sequence, Union, get_args,
 
 from pydantic import BaseModel, ValidationError
 
+from ..errors import UserError
 from .sections import SamplingConfig
 from .tasks import DatasetTask, JsonlTask
 from .train import TrainConfig
 
 
-class ConfigError(Exception):
+class ConfigError(UserError):
     """A configuration problem, phrased as one line for the user."""
 
 

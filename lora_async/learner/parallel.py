@@ -273,7 +273,7 @@ class ParallelLearner:
 
     @staticmethod
     def _raise(message: str) -> NoReturn:
-        from ..orchestrator.state import TrainingError  # the CLI reports it in one line
+        from ..errors import TrainingError  # the CLI reports it in one line
 
         raise TrainingError(message)
 

@@ -15,6 +15,7 @@
 
 from .lifecycle import LocalParts, Parts, StopSwitch
 from .loop import train, train_step
-from .state import Phase, Run, TrainingError
+from ..errors import TrainingError
+from .state import Phase, Run
 
 __all__ = ["LocalParts", "Parts", "Phase", "Run", "StopSwitch", "TrainingError", "train", "train_step"]

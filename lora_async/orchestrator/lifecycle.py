@@ -22,6 +22,7 @@ from ..adapters import AdapterStore
 from ..buffer import RolloutBuffer
 from ..checkpoint import RunState, checkpoint_auto, latest_checkpoint, load_checkpoint
 from ..config import TrainConfig, dump_config
+from ..errors import TrainingError
 from ..generator import RunGenerator
 from ..learner.api import LearnerAPI
 from ..metrics import MetricsWriter, summary_table, truncate_metrics, where_the_time_went
@@ -33,7 +34,7 @@ from .admission import Admission
 from .auto import start_mode, start_window
 from .periodic import checkpoint, evaluate_all, save_adapter
 from .rows import run_summary
-from .state import AdapterRun, Counters, Run, TrainingError
+from .state import AdapterRun, Counters, Run
 
 
 class Parts(Protocol):

@@ -24,6 +24,7 @@ from rich.console import Console
 
 from ..buffer import Group
 from ..config import TrainConfig
+from ..errors import TrainingError
 from .auto import begin, observe
 from .batches import start_collectors
 from .lifecycle import Parts, StopSwitch, finish_run, install_stop_signals, setup_run, stop_workers
@@ -31,7 +32,7 @@ from .periodic import after_step, evaluate_all, save_snapshot
 from .publish import held_back, publish_and_record, publish_initial
 from .rollouts import ROLLOUT_TAG, start_producers
 from .rows import step_row
-from .state import AdapterRun, Run, TrainingError, samples_of
+from .state import AdapterRun, Run, samples_of
 
 READY_POLL_S = 1.0  # how often the idle main loop re-checks the limits and the run's state
 MOSTLY_DROPPED = 0.5  # a step whose loss clipped or masked this share of its tokens is shown, once

@@ -10,11 +10,12 @@ import statistics
 from typing import Any
 
 from ..buffer import TrainSample
+from ..errors import TrainingError
 from ..generator.types import AdapterVersion, GenRequest, PublishStats
 from ..generator.validate import AdapterError
 from ..handoff import PackError
 from .periodic import save_snapshot
-from .state import AdapterRun, Run, TrainingError
+from .state import AdapterRun, Run
 
 MAX_REJECTED_IN_A_ROW = 3  # transfers of one adapter refused in a row before the run stops
 REJECTED_VERSION = (AdapterError, PackError)  # a refused version, not a broken engine or transport

@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 
 from ..buffer import Group
+from ..errors import TrainingError
 from ..generator.types import GenStatus
 from ..rollout import GroupRollout, RolloutContext, sub_seed
 from ..timing import Wait
-from .state import AdapterRun, Run, TrainingError
+from .state import AdapterRun, Run
 
 ADMISSION_POLL_S = 0.25  # producers re-check admission at least this often (stale drops notify no one)
 ROLLOUT_TAG = "rollout"  # GenRequest.tag of training rollouts (the only requests cut short as stale)

@@ -42,10 +42,6 @@ if TYPE_CHECKING:
 MAX_PULL_FACTOR = 4  # a step takes what it has after pulling this many batches' worth of groups
 
 
-class TrainingError(RuntimeError):
-    """A run that cannot continue (engine died, rewards never work); the message says why."""
-
-
 class Phase(enum.Enum):
     RUNNING = "running"
     DONE = "done"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from ..errors import UserError
+
 if TYPE_CHECKING:
     from ..config import TrainConfig
 
 
-class PlanRefused(Exception):
+class PlanRefused(UserError):
     """The plan says the run cannot fit (one line: the verdict and the settings that would fit)."""
 
 

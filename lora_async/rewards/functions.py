@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from ..errors import UserError
 from ..guarded import CallResult, GuardedError, GuardedPool
 from .builtin import builtin_reward
 from .code import SPEC as CODE_TESTS_SPEC
@@ -31,7 +32,7 @@ Prompt = Any  # the problem's prompt: text, or a list of chat messages ({"role",
 BATCH_MARK = "completions"  # a parameter of this name makes a function batched (TRL's convention)
 
 
-class RewardError(ValueError):
+class RewardError(UserError, ValueError):
     """A reward specification that cannot be used (unknown name, import failure)."""
 
 

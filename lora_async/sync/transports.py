@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Generic, Protocol, TypeVar
 import torch
 
 from ..dtypes import torch_dtype
+from ..errors import RunError
 from ..generator.receivers import EngineReceiver
 from ..generator.types import AdapterVersion, Delivery, Generator, PublishStats
 from ..generator.validate import AdapterError
@@ -46,7 +47,7 @@ R = TypeVar("R")  # the receiver a transport's deliveries load into
 Loader = Callable[[R, int], float | None]  # `Delivery.load`
 
 
-class TransportError(RuntimeError):
+class TransportError(RunError):
     """A transport that cannot deliver (receiver gone, timed out, or broken by an earlier fault)."""
 
 

@@ -1,7 +1,8 @@
 """A task read from a JSONL file: prompt and answer fields, rewards by name or user functions.
 
 A record is one line; how it becomes a problem (chat prompts, the fields a reward gets) is
-`records.record_problem`. The last `heldout` records are held out for evaluation.
+`records.record_problem`. The last `heldout` records are held out for evaluation. A file that
+cannot be used (a bad record, too few records) is a `TaskDataError` naming the file and line.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import json
 from pathlib import Path
 
 from ..config import JsonlTask
-from ..rewards import RewardError
-from .problems import Problem
+from .problems import Problem, TaskDataError
 from .records import CHAT_SHAPE, NotChatError, RecordProblems, record_problem
 
 
@@ -22,7 +22,7 @@ class JsonlProblems(RecordProblems):
         self.config = config
         records = self._read(Path(config.path))
         if len(records) <= config.heldout:
-            raise RewardError(
+            raise TaskDataError(
                 f"{config.path}: {len(records)} records but task.heldout={config.heldout}; "
                 "nothing would be left to train on"
             )
@@ -33,19 +33,27 @@ class JsonlProblems(RecordProblems):
     def _read(self, path: Path) -> list[Problem]:
         records: list[Problem] = []
         for line_no, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(record_problem(len(records), json.loads(line), self.config.prompt_field,
-                                              self.config.answer_field))
-            except NotChatError:
-                raise RewardError(f"{path}:{line_no}: field {self.config.prompt_field!r} is a list but not chat "
-                                  f"messages {CHAT_SHAPE}") from None
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise RewardError(f"{path}:{line_no}: bad record ({type(exc).__name__}: {exc})") from None
+            if line.strip():
+                records.append(self._record(len(records), line, f"{path}:{line_no}"))
         if not records:
-            raise RewardError(f"{path}: no records")
+            raise TaskDataError(f"{path}: no records")
         return records
+
+    def _record(self, index: int, line: str, where: str) -> Problem:
+        """One line's problem, or a `TaskDataError` naming the file and line (`where`)."""
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TaskDataError(f"{where}: bad record, not JSON ({exc})") from None
+        if not isinstance(row, dict):
+            raise TaskDataError(f"{where}: bad record, a JSON {type(row).__name__} where a record is an object")
+        try:
+            return record_problem(index, row, self.config.prompt_field, self.config.answer_field)
+        except NotChatError:
+            raise TaskDataError(f"{where}: field {self.config.prompt_field!r} is a list but not chat messages "
+                                f"{CHAT_SHAPE}") from None
+        except KeyError as exc:
+            raise TaskDataError(f"{where}: bad record, no field {exc}") from None
 
     def _train_record(self, position: int) -> Problem:
         return self._train[position]

@@ -5,16 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..errors import UserError
 from ..rewards import Batch, Rewards
 from ..rollout import RewardStats  # the counters every rollout source keeps (re-exported: tasks.RewardStats)
 
 Messages = list[dict[str, str]]
 
 
-class TaskDataError(ValueError):
+class TaskDataError(UserError, ValueError):
     """A task's data that cannot be used as configured: a missing split or column, a library
-    that is not installed, a generator setting it refuses. One line naming the dotted field;
-    `train` exits with code 2 (found by the preflight, before any model loads)."""
+    that is not installed, a generator setting it refuses, a bad JSONL record. One line naming
+    the dotted field (or the file and line); `train` exits with code 2 (the preflight finds most,
+    before any model loads)."""
 
 
 @dataclass(frozen=True)
