@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .staleness import StalenessWindow
+from .staleness import Window
 
 if TYPE_CHECKING:  # rollout.py builds on the Group defined here; only the annotation looks back
     from .outcomes import EpisodeStats
@@ -151,11 +151,11 @@ class BufferCounters:
 
 
 class RolloutBuffer:
-    def __init__(self, max_tokens: int, window: StalenessWindow, stale_policy: str) -> None:
+    def __init__(self, max_tokens: int, window: Window, stale_policy: str) -> None:
         if stale_policy not in ("drop", "is-correct"):
             raise ValueError(f"unknown stale policy {stale_policy!r}")
         self.max_tokens = max_tokens
-        self.window = window
+        self.window = window  # a run's: the window in force (`staleness.WindowInForce`)
         self.stale_policy = stale_policy
         self.counters = BufferCounters()
         self._queues: dict[str, deque[Group]] = {}

@@ -142,7 +142,7 @@ def resolve(
     are two GPUs; with `learner_devices`, the learner takes those and the generator the first
     GPU not among them). `generator_device=None`: no local generator (remote servers); the learner
     then takes cuda:0, and the returned generator placement is only a placeholder. `auto` core sets on CPU split the cores in two when generation and training
-    run concurrently (`max_staleness > 0`), since each scales sub-linearly with cores; with
+    run concurrently (`BufferConfig.concurrent_from_start`), since each scales sub-linearly with cores; with
     synchronous training the two take turns, so both get every core.
     """
     have_cuda = cuda_available()

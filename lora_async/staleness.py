@@ -17,12 +17,18 @@ version `v` when `v - k <= max_staleness` (its *lag*). Everything else follows f
 - Ray replicas keep one version more than the router (`widened`), so a version a request was
   pinned to is still there when the request arrives.
 
-`max_staleness = 0` is synchronous training.
+A window of 0 is synchronous training (`synchronous`), and which runs are synchronous is said
+once, in `StalenessWindow.widest`: `buffer.mode = "sync"` pins a window of 0, and so does
+`max_staleness = 0` whatever the mode. The config, the mode choice and the run ask a window.
+
+A run holds the window in force in one object, `WindowInForce`, that the buffer, every
+adapter's admission and the learner step share: a mode switch changes it once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,12 @@ class StalenessWindow:
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    @classmethod
+    def widest(cls, mode: str, max_staleness: int) -> "StalenessWindow":
+        """The widest window a run with this `buffer.mode` and `buffer.max_staleness` may train
+        with: 0 (synchronous) where the mode is sync or max_staleness is 0."""
+        return cls(0 if mode == "sync" else max_staleness)
 
     @property
     def synchronous(self) -> bool:
@@ -64,3 +76,27 @@ class StalenessWindow:
     def widened(self) -> "StalenessWindow":
         """One version more (a Ray replica's window, beside the router's)."""
         return StalenessWindow(self.max_staleness + 1)
+
+
+class Window(Protocol):
+    """What the buffer and admission ask of a window: a fixed one, or a run's `WindowInForce`."""
+
+    def admits(self, lag: int) -> bool: ...
+
+
+@dataclass
+class WindowInForce:
+    """The window a run trains with now: the buffer, every adapter's admission and the learner
+    step hold this one object, so a mode switch (`orchestrator.auto.apply_choice`) sets it once."""
+
+    current: StalenessWindow
+
+    @property
+    def synchronous(self) -> bool:
+        return self.current.synchronous
+
+    def admits(self, lag: int) -> bool:
+        return self.current.admits(lag)
+
+    def oldest(self, newest: int) -> int:
+        return self.current.oldest(newest)

@@ -1,20 +1,84 @@
-"""Rules written once: the staleness window as the buffer, the learner step's abort and admission
-ask it; the admission owner's counts; and when a flat group trains (`loss.has_gradient`)."""
+"""Rules written once: which runs are synchronous; the staleness window as the buffer, the
+learner step's abort and admission ask it, held in force in one object; the admission owner's
+counts; and when a flat group trains (`loss.has_gradient`)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
+from rich.console import Console
 
 from lora_async.buffer import Group, RolloutBuffer, TrainSample
-from lora_async.config import loss_of
+from lora_async.config import BufferConfig, TrainConfig, loss_of
 from lora_async.learner import Learner
 from lora_async.loss import has_gradient
+from lora_async.mode import Choice, Mode, initial_choice
+from lora_async.orchestrator import train
 from lora_async.orchestrator.admission import Admission, expected_lag, may_start
 from lora_async.orchestrator.batches import trains_on
-from lora_async.staleness import StalenessWindow
+from lora_async.staleness import StalenessWindow, WindowInForce
+
+from .fakes import FakeParts
+
+
+@pytest.mark.parametrize("mode, max_staleness, synchronous", [
+    ("sync", 4, True), ("auto", 0, True), ("sync", 0, True), ("auto", 2, False), ("async", 3, False)])
+def test_which_runs_are_synchronous_is_said_once(mode, max_staleness, synchronous):
+    widest = StalenessWindow.widest(mode, max_staleness)
+    assert widest.synchronous == synchronous and widest.max_staleness == (0 if synchronous else max_staleness)
+    buffer = BufferConfig(mode=mode, max_staleness=max_staleness)
+    assert buffer.window == widest and buffer.synchronous == synchronous
+    assert not (synchronous and buffer.concurrent_from_start)
+    choice = initial_choice(mode, max_staleness, shared=True, split=False)
+    assert (choice is not None and choice.synchronous) == synchronous
+    if choice is not None:  # pinned by the config: its widest window
+        assert choice.window == widest
+
+
+def test_a_choice_is_sync_exactly_at_staleness_zero():
+    assert Choice(Mode.SYNC, 0, False, "x").window == StalenessWindow(0)
+    assert Choice(Mode.ASYNC, 2, True, "x").window == StalenessWindow(2)
+    for mode, staleness in ((Mode.ASYNC, 0), (Mode.SYNC, 2)):
+        with pytest.raises(ValueError, match="sync is staleness 0"):
+            Choice(mode, staleness, False, "x")
+
+
+def test_the_window_in_force_is_one_object_the_buffer_and_every_admission_ask():
+    window = WindowInForce(StalenessWindow(0))
+    buffer = RolloutBuffer(10_000, window, "drop")
+    admissions = [Admission(window), Admission(window)]
+    for admission in admissions:
+        admission.version_published(0)
+        admission.step_began()  # a group started now trains one version behind
+    assert window.synchronous and not buffer.window.admits(1)
+    assert not any(a.may_start(0, 0, 4) for a in admissions)
+    window.current = StalenessWindow(1)  # what a switch to async does (`auto.apply_choice`), once
+    assert not window.synchronous and buffer.window.admits(1) and not buffer.window.admits(2)
+    assert all(a.may_start(0, 0, 4) for a in admissions)
+
+
+def test_a_run_holds_its_window_in_force_once(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"item {i}", "answer": "-"}) for i in range(50)))
+    cfg = TrainConfig.model_validate({
+        "sampling": {"samples_per_prompt": 2, "max_new_tokens": 4}, "learner": {"groups_per_step": 2},
+        "buffer": {"mode": "async", "max_staleness": 2},
+        "run": {"max_steps": 2, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 0,
+                "chart_every": 0},
+        "task": {"type": "jsonl", "path": str(data), "reward": "regex:^x", "heldout": 4}})
+    seen: list[bool] = []
+
+    def check(run) -> None:
+        seen.append(run.buffer.window is run.window and all(a.admission.window is run.window
+                                                            for a in run.adapters.values()))
+        assert run.window.current == StalenessWindow(2)
+
+    asyncio.run(train(cfg, console=Console(quiet=True), on_step=check,
+                      parts=FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.01)))
+    assert seen == [True, True]
 
 
 def test_admission_rule():

@@ -181,14 +181,19 @@ class BufferConfig(Section):
         """The widest staleness window the run may train with (`lora_async.staleness`): what the
         engine's LoRA slots are sized for. A sync run's is 0; an auto run starts at 0 and may
         widen to this once it has measured (`Run.window` is the one in force)."""
-        return StalenessWindow(0 if self.mode == "sync" else self.max_staleness)
+        return StalenessWindow.widest(self.mode, self.max_staleness)
+
+    @property
+    def synchronous(self) -> bool:
+        """The run is synchronous whatever it measures: its widest window is 0."""
+        return self.window.synchronous
 
     @property
     def concurrent_from_start(self) -> bool:
         """Generation and training overlap from the first step (pinned async): `auto` placement
         then splits shared cores at once; an auto run starts sharing them, and so does a run at a
         fixed lag (its halves take turns)."""
-        return self.mode == "async" and self.max_staleness > 0 and self.fixed_lag is None
+        return self.mode == "async" and not self.synchronous and self.fixed_lag is None
 
 
 class RunConfig(Section):

@@ -100,7 +100,7 @@ class TrainConfig(Section):
 
     def _check_mode(self) -> None:
         buffer = self.buffer
-        if buffer.mode == "async" and buffer.max_staleness == 0:
+        if buffer.mode == "async" and buffer.synchronous:
             raise ValueError("buffer.mode: 'async' needs buffer.max_staleness >= 1 (the lag async trains at); "
                              "raise max_staleness, or set mode = 'sync'")
         if buffer.lag_costs is not None:

@@ -9,6 +9,7 @@ from enum import Enum
 from typing import Any
 
 from ..lag_cost import LagCosts
+from ..staleness import StalenessWindow
 from .measured import StepFigures
 from .predict import Model, Prediction, implied_sync, predict
 
@@ -44,9 +45,18 @@ class Choice:
     predictions: tuple[Prediction, ...] = ()
     sync: StepFigures | None = None
 
+    def __post_init__(self) -> None:
+        if (self.mode is Mode.SYNC) != self.window.synchronous:
+            raise ValueError(f"a {self.mode.value} choice at staleness {self.staleness}: sync is staleness 0")
+
+    @property
+    def window(self) -> StalenessWindow:
+        """The staleness window this choice puts in force."""
+        return StalenessWindow(self.staleness)
+
     @property
     def synchronous(self) -> bool:
-        return self.mode is Mode.SYNC
+        return self.window.synchronous
 
     def describe(self) -> str:
         if self.synchronous:
@@ -111,7 +121,7 @@ def initial_choice(mode: str, max_staleness: int, shared: bool, split: bool) -> 
     (`shared` False), or None: an auto run on shared compute calibrates, then opens async
 (`opening_choice`). `split`: a pinned
     async run's placement gave each half its own cores."""
-    if mode == "sync" or max_staleness == 0:
+    if StalenessWindow.widest(mode, max_staleness).synchronous:
         return Choice(Mode.SYNC, 0, False, "pinned by buffer.mode" if mode == "sync" else "buffer.max_staleness = 0")
     if mode == "async":
         return Choice(Mode.ASYNC, max_staleness, split, "pinned by buffer.mode")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..staleness import StalenessWindow
+from ..staleness import Window
 
 
 def expected_lag(learner_busy: bool, queued_groups: int, groups_per_step: int, unpublished: int = 0) -> int:
@@ -25,7 +25,7 @@ def expected_lag(learner_busy: bool, queued_groups: int, groups_per_step: int, u
     return int(learner_busy) + unpublished + queued_groups // groups_per_step
 
 
-def may_start(learner_busy: bool, queued_groups: int, groups_per_step: int, window: StalenessWindow,
+def may_start(learner_busy: bool, queued_groups: int, groups_per_step: int, window: Window,
               unpublished: int = 0) -> bool:
     """The rule: a new group starts if its expected lag is inside the window."""
     return window.admits(expected_lag(learner_busy, queued_groups, groups_per_step, unpublished))
@@ -35,7 +35,7 @@ def may_start(learner_busy: bool, queued_groups: int, groups_per_step: int, wind
 class Admission:
     """One adapter's groups between admission and the learner, and the version it serves."""
 
-    window: StalenessWindow
+    window: Window  # a run's: the window in force, shared with the buffer (`staleness.WindowInForce`)
     in_flight: int = 0  # started: generating or being scored
     collected: int = 0  # taken into the batch being collected (or waiting to train)
     carried: int = 0  # taken, but left for the next step (they did not fit this one)

@@ -26,12 +26,12 @@ An auto run on shared compute goes through phases (`Auto.phase`):
 The decisions and the model behind them go into every checkpoint (`Auto.to_json`); a resumed
 run starts in the chosen mode and only watches.
 
-The staleness window in force is `Run.window`: the buffer, every adapter's admission and the
-learner step's abort all read it, and only `apply_choice` changes it. The engine was sized at
-start for the widest window the run may take (`BufferConfig.window`), so widening it later
-needs no new LoRA slot. Turning async on shared CPU cores also re-pins the two halves (the
-learner's thread and the engine's thread, each between its steps), as a run pinned async would
-have been placed from the start.
+The staleness window in force is `Run.window`, one object (`staleness.WindowInForce`) that the
+buffer, every adapter's admission and the learner step's abort hold; only `apply_choice` sets
+it, once. The engine was sized at start for the widest window the run may take
+(`BufferConfig.window`), so widening it later needs no new LoRA slot. Turning async on shared
+CPU cores also re-pins the two halves (the learner's thread and the engine's thread, each
+between its steps), as a run pinned async would have been placed from the start.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from ..mode import (LEARNER_SPLIT_SLOWDOWN, OFF_STEPS, OPEN_STEPS, REMEASURE_STE
                     StepFigures, async_beats_implied, async_still_sooner, candidates, decide, decide_opened,
                     initial_choice, off_prediction, opening_choice, scaled_step_s)
 from ..placement import Placement, available_cpus, pin_current_thread, shares_compute, split_placements
-from ..staleness import StalenessWindow
+from ..staleness import StalenessWindow, WindowInForce
 from .auto_state import CONFIRM, MEASURE, OPEN, WATCH, Auto
 
 if TYPE_CHECKING:
@@ -87,8 +87,9 @@ def start_mode(config: "TrainConfig", resumed: dict[str, Any] | None = None) -> 
                         f"({costs.describe(lags)}); otherwise {REMEASURE_STEPS} sync steps measure and it decides")
 
 
-def start_window(choice: Choice | None) -> StalenessWindow:
-    return StalenessWindow(0 if choice is None else choice.staleness)
+def start_window(choice: Choice | None) -> WindowInForce:
+    """The run's window in force at the start: the choice's, or 0 while an auto run calibrates."""
+    return WindowInForce(StalenessWindow(0) if choice is None else choice.window)
 
 
 async def begin(run: "Run") -> None:
@@ -268,11 +269,7 @@ async def apply_choice(run: "Run", choice: Choice) -> None:
     say so (console, a `mode` metrics event, the auto run's decisions) and wake the producers."""
     repin = run.choice is None or run.choice.split != choice.split or choice.kind == "resumed"
     run.choice = choice
-    window = StalenessWindow(choice.staleness)
-    run.window = window
-    run.buffer.window = window
-    for adapter in run.adapters.values():
-        adapter.admission.window = window
+    run.window.current = choice.window  # the buffer and every admission hold this same object
     placements = split_placements(run.config)
     if placements is not None and repin:  # split for async; back to every core for sync
         every = Placement("cpu", frozenset(available_cpus()))  # this (event loop) thread is never pinned

@@ -28,7 +28,7 @@ from ..learner.api import LearnerAPI
 from ..mode import Choice
 from ..outcomes import EpisodeStats
 from ..rollout import RolloutSource
-from ..staleness import StalenessWindow
+from ..staleness import WindowInForce
 from ..timing import IdleSplit, LearnerClock, TimeBoard, Waits
 from .admission import Admission
 from .auto_state import Auto
@@ -143,7 +143,7 @@ class Run:
     buffer: RolloutBuffer
     store: "AdapterStore"
     metrics: "MetricsWriter"
-    window: StalenessWindow  # the staleness window in force (`auto.apply_choice` changes it)
+    window: WindowInForce  # the one the buffer and every admission hold too (`auto.apply_choice` sets it)
     choice: Choice | None = None  # sync or async, and why (None: an auto run still measuring)
     auto: Auto | None = None  # an auto run on shared compute: what it measured, where it is in deciding
     global_step: int = 0
