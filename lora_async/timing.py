@@ -85,6 +85,21 @@ class IdleSplit:
 IDLE_CAUSES = tuple(f.name for f in fields(IdleSplit))  # the `gen_idle_<cause>_s` figures, in order
 
 
+@dataclass(frozen=True)
+class GeneratorSplit:
+    """Where the generator's time went over an interval: computing, or idle, the idle time by
+    what waited (`idle`, fitted to sum to `idle_s`)."""
+
+    compute_s: float
+    idle_s: float
+    idle: IdleSplit
+
+    def figures(self) -> dict[str, float]:
+        """`gen_compute_s`, `gen_idle_s` and `gen_idle_<cause>_s` (step rows and the summary)."""
+        return {"gen_compute_s": self.compute_s, "gen_idle_s": self.idle_s,
+                **{f"gen_idle_{cause}_s": seconds for cause, seconds in self.idle.parts().items()}}
+
+
 class TimeBoard:
     """One run's board: what waits now (per kind, over every adapter), the requests in flight,
     and the sampled no-request time by cause. Counts change on the event loop and, where a
@@ -187,10 +202,30 @@ def call_key(kind: Wait, quantile_name: str) -> str:
     return f"{kind.value}_wait_s_{quantile_name}"
 
 
-def call_figures(durations: dict[Wait, list[float]]) -> dict[str, float]:
-    """`<kind>_wait_s_p50`, `<kind>_wait_s_p95` of the kinds with calls (exact quantiles)."""
-    return {call_key(kind, name): quantile(values, q)
-            for kind, values in durations.items() if values for q, name in QUANTILES}
+@dataclass(frozen=True)
+class CallWaits:
+    """A step's calls of one kind: the p50 and p95 of their durations (exact, to a microsecond)."""
+
+    p50: float
+    p95: float
+
+    @classmethod
+    def of(cls, durations: list[float]) -> "CallWaits":
+        return cls(*(round(quantile(durations, q), 6) for q, _ in QUANTILES))
+
+    def figures(self, kind: Wait) -> dict[str, float]:
+        """`<kind>_wait_s_p50`, `<kind>_wait_s_p95`."""
+        return {call_key(kind, name): value for (_, name), value in zip(QUANTILES, (self.p50, self.p95))}
+
+
+def call_waits(durations: dict[Wait, list[float]]) -> dict[Wait, CallWaits]:
+    """The kinds with calls, each with its calls' quantiles."""
+    return {kind: CallWaits.of(values) for kind, values in durations.items() if values}
+
+
+def call_figures(waits: dict[Wait, CallWaits]) -> dict[str, float]:
+    """`<kind>_wait_s_p50`, `<kind>_wait_s_p95` of the kinds with calls (a step row's)."""
+    return {key: value for kind, kind_waits in waits.items() for key, value in kind_waits.figures(kind).items()}
 
 
 class Waits:

@@ -277,6 +277,30 @@ def test_a_choice_an_earlier_version_saved_still_loads_and_an_unknown_key_fails(
         Choice.from_json(saved)
 
 
+def test_auto_reads_a_step_as_its_metrics_line_gives_it():
+    from lora_async.metrics import STEP_KEYS
+    from lora_async.mode import StepRecord
+    from lora_async.timing import CallWaits, GeneratorSplit, IdleSplit, Wait, call_figures
+
+    idle = IdleSplit(admission=0.5, reward=1.0, tool=0.25, env=0.125, other=0.1)
+    step = StepRecord(step_s=4.0, learner_s=1.5, generator=GeneratorSplit(2.0, 1.975, idle),
+                      calls={Wait.ADMISSION: CallWaits(9.0, 9.5), Wait.REWARD: CallWaits(0.5, 0.9),
+                             Wait.ENV: CallWaits(0.25, 0.3)},
+                      engine_batch=12.0, engine_steps=40.0, samples=8, samples_pulled=12, groups=2,
+                      tokens_trained=100, padded_tokens=28)
+    # the waits and calls a sync step could not hide: rewards, tools, environments (not admission)
+    assert StepFigures.of_step(step, aborted_groups=1) == StepFigures(
+        step_s=4.0, learner_s=1.5, gen_compute_s=2.0, wait_s=1.375, engine_batch=12.0, engine_steps=40.0, samples=8,
+        groups=2, samples_pulled=12, aborted_groups=1, learner_tokens=128, call_wait_s=0.75)
+    # ... and the line's figures are the record's, under the keys a run has always written
+    line = {**step.generator.figures(), **call_figures(step.calls)}
+    assert line == {"gen_compute_s": 2.0, "gen_idle_s": 1.975, "gen_idle_admission_s": 0.5, "gen_idle_reward_s": 1.0,
+                    "gen_idle_tool_s": 0.25, "gen_idle_env_s": 0.125, "gen_idle_other_s": 0.1,
+                    "admission_wait_s_p50": 9.0, "admission_wait_s_p95": 9.5, "reward_wait_s_p50": 0.5,
+                    "reward_wait_s_p95": 0.9, "env_wait_s_p50": 0.25, "env_wait_s_p95": 0.3}
+    assert set(step.generator.figures()) <= set(STEP_KEYS)
+
+
 def test_pinned_and_own_device_choices_need_no_measurement():
     assert initial_choice("sync", 2, shared=True, split=True).mode is Mode.SYNC  # type: ignore[union-attr]
     assert initial_choice("auto", 0, shared=True, split=True).mode is Mode.SYNC  # type: ignore[union-attr]

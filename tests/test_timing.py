@@ -18,7 +18,8 @@ from lora_async.bench.proc import SPLIT_SHARES, summarize_run
 from lora_async.metrics import STEP_KEYS, summary_table, where_the_time_went
 from lora_async.plot import TIME_PARTS, plot_runs, time_shares
 from lora_async.timing import (
-    IDLE_CAUSES, NO_WAITS, CallTimes, IdleSplit, LearnerClock, TimeBoard, Wait, Waits, call_figures, quantile,
+    IDLE_CAUSES, NO_WAITS, CallTimes, IdleSplit, LearnerClock, TimeBoard, Wait, Waits, call_figures, call_waits,
+    quantile,
 )
 
 
@@ -96,7 +97,7 @@ def test_waits_record_calls_per_step_and_per_run():
     assert board.snapshot() == IdleSplit(tool=0.5, env=0.125, other=0.25)
     step = waits.take()
     assert step[Wait.REWARD] == [0.1, 0.2, 0.3, 0.4] and len(step[Wait.TOOL]) == 2 and step[Wait.ENV] == []
-    figures = call_figures(step)
+    figures = call_figures(call_waits(step))
     assert set(figures) == {"reward_wait_s_p50", "reward_wait_s_p95", "tool_wait_s_p50", "tool_wait_s_p95"}
     assert figures["reward_wait_s_p50"] == pytest.approx(0.25) and figures["reward_wait_s_p95"] == pytest.approx(0.385)
     assert all(v == [] for v in waits.take().values())  # taken once: the next step starts empty

@@ -59,10 +59,10 @@ from __future__ import annotations
 from .decide import (CANDIDATES, MARGIN, OFF_BY, OFF_STEPS, OPEN_STALENESS, OPEN_STEPS, REMEASURE_STEPS, Choice, Mode,
                      async_beats_implied, async_still_sooner, candidates, decide, decide_opened, implied_by,
                      initial_choice, off_prediction, opening_choice, scaled_step_s)
-from .measured import EngineCurve, StepFigures
+from .measured import EngineCurve, StepFigures, StepRecord
 from .predict import LEARNER_SPLIT_SLOWDOWN, Model, Prediction, implied_sync, predict
 
 __all__ = ["CANDIDATES", "LEARNER_SPLIT_SLOWDOWN", "MARGIN", "OFF_BY", "OFF_STEPS", "OPEN_STALENESS", "OPEN_STEPS",
-           "REMEASURE_STEPS", "Choice", "EngineCurve", "Mode", "Model", "Prediction", "StepFigures",
+           "REMEASURE_STEPS", "Choice", "EngineCurve", "Mode", "Model", "Prediction", "StepFigures", "StepRecord",
            "async_beats_implied", "async_still_sooner", "candidates", "decide", "decide_opened", "implied_by",
            "implied_sync", "initial_choice", "off_prediction", "opening_choice", "predict", "scaled_step_s"]

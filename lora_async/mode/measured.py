@@ -1,5 +1,6 @@
-"""What auto measures: a step's time split (`StepFigures`, read from its row) and the engine's
-decode throughput by batch (`EngineCurve`, calibrated at start-up)."""
+"""What auto measures: a step's figures as its metrics line gives them (`StepRecord`, built by
+`orchestrator.rows`), the time split auto reads of them (`StepFigures`), and the engine's decode
+throughput by batch (`EngineCurve`, calibrated at start-up)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..timing import Wait, call_key
+from ..timing import CallWaits, GeneratorSplit, Wait
 
 ABORTED_SHARE = 0.5  # a group aborted mid-generation had made about half its tokens
 # keys that checkpoints of earlier versions wrote and no decision reads any more
@@ -16,9 +17,27 @@ CALLS = (Wait.REWARD, Wait.TOOL, Wait.ENV)  # what a rollout calls and waits on
 
 
 @dataclass(frozen=True)
+class StepRecord:
+    """A step's time and size, typed, as its metrics line gives them (`orchestrator.rows` builds
+    it, and the line's figures from it, rounded as they are written): what auto reads of a step,
+    so a renamed figure fails the type checker instead of reading as zero."""
+
+    step_s: float  # the step's wall clock (`step_s`)
+    learner_s: float  # the learner's compute (`learner_s`)
+    generator: GeneratorSplit  # the engine's busy and idle time (`gen_compute_s`, `gen_idle_*_s`)
+    calls: dict[Wait, CallWaits]  # the calls the step's rollouts waited on, kinds with any (`<kind>_wait_s_*`)
+    engine_batch: float | None  # sequences in flight per engine step (`engine_running_mean`; None: not counted)
+    engine_steps: float  # engine steps during the step
+    samples: int  # trained
+    samples_pulled: int  # taken from the buffer for the step (flat groups too)
+    groups: int  # trained
+    tokens_trained: int
+    padded_tokens: int
+
+
+@dataclass(frozen=True)
 class StepFigures:
-    """What auto reads of a step row (`orchestrator.rows.step_row`), by name: a renamed key fails
-    here, loudly, instead of reading as zero."""
+    """What auto reads of a step (`StepRecord`): its time split, and the work it did."""
 
     step_s: float  # the step's wall clock
     learner_s: float  # the learner's compute
@@ -36,14 +55,12 @@ class StepFigures:
     call_wait_s: float = 0.0
 
     @classmethod
-    def of_row(cls, row: dict[str, Any], aborted_groups: int = 0) -> "StepFigures":
-        waits = row["gen_idle_reward_s"] + row["gen_idle_tool_s"] + row["gen_idle_env_s"]
-        # a kind's figures are in the row only where the step's rollouts made such calls
-        calls = sum(float(row.get(call_key(kind, "p50"), 0.0)) for kind in CALLS)
-        return cls(float(row["step_s"]), float(row["learner_s"]), float(row["gen_compute_s"]), float(waits),
-                   row["engine_running_mean"], float(row["engine_steps"]), int(row["samples"]), int(row["groups"]),
-                   int(row["samples_pulled"]), aborted_groups, int(row["tokens_trained"]) + int(row["padded_tokens"]),
-                   calls)
+    def of_step(cls, step: StepRecord, aborted_groups: int = 0) -> "StepFigures":
+        idle = step.generator.idle
+        calls = sum(waits.p50 for kind, waits in step.calls.items() if kind in CALLS)
+        return cls(step.step_s, step.learner_s, step.generator.compute_s, idle.reward + idle.tool + idle.env,
+                   step.engine_batch, step.engine_steps, step.samples, step.groups, step.samples_pulled,
+                   aborted_groups, step.tokens_trained + step.padded_tokens, calls)
 
     @classmethod
     def mean(cls, steps: list["StepFigures"]) -> "StepFigures":

@@ -1,5 +1,5 @@
 """The run's mode in force: set at the start (`start_mode`), decided by an auto run from what it
-measures (`calibrate`, then `observe` on every step row), and applied in one place
+measures (`calibrate`, then `observe` on every step), and applied in one place
 (`apply_choice`). The model and the decision rules are `lora_async/mode/`.
 
 An auto run on shared compute goes through phases (`Auto.phase`):
@@ -45,7 +45,7 @@ from .. import lag_cost
 from ..generator.types import GenRequest, GenStatus
 from ..learner import probe
 from ..mode import (LEARNER_SPLIT_SLOWDOWN, OFF_STEPS, OPEN_STEPS, REMEASURE_STEPS, Choice, EngineCurve, Mode,
-                    StepFigures, async_beats_implied, async_still_sooner, candidates, decide, decide_opened,
+                    StepFigures, StepRecord, async_beats_implied, async_still_sooner, candidates, decide, decide_opened,
                     initial_choice, off_prediction, opening_choice, scaled_step_s)
 from ..placement import Placement, available_cpus, pin_current_thread, shares_compute, split_placements
 from ..staleness import StalenessWindow, WindowInForce
@@ -179,13 +179,13 @@ async def calibrate_learner(run: "Run", every_core: Placement, share: Placement 
             "learner_split_cost": auto.learner_split}
 
 
-async def observe(run: "Run", row: dict[str, Any]) -> None:
-    """Every step row of an auto run: measure, confirm or watch (the module docstring)."""
+async def observe(run: "Run", record: StepRecord) -> None:
+    """Every step of an auto run: measure, confirm or watch (the module docstring)."""
     auto = run.auto
     if auto is None:
         return
     aborted = sum(a.counters.aborted_stale for a in run.adapters.values())
-    step = StepFigures.of_row(row, aborted - auto.aborted_seen)
+    step = StepFigures.of_step(record, aborted - auto.aborted_seen)
     auto.aborted_seen = aborted
     auto.recent = (auto.recent + [step])[-OFF_STEPS:]
     at = run.global_step

@@ -31,7 +31,7 @@ from .lifecycle import Parts, StopSwitch, finish_run, install_stop_signals, setu
 from .periodic import after_step, evaluate_all, save_snapshot
 from .publish import held_back, publish_and_record, publish_initial
 from .rollouts import ROLLOUT_TAG, start_producers
-from .rows import step_row
+from .rows import step_record, step_row
 from .state import AdapterRun, Run, samples_of
 
 READY_POLL_S = 1.0  # how often the idle main loop re-checks the limits and the run's state
@@ -121,9 +121,10 @@ async def train_step(run: Run, adapter: AdapterRun, groups: list[Group]) -> None
     adapter.counters.skipped_nonfinite += int(stats.skipped_nonfinite)
     run.learner_clock.trained(stats.seconds)
     ended = run.marks(adapter)  # this step's row ends where the next one's begins
-    row = step_row(run, adapter, groups, stats, ended)
+    step = step_record(run, adapter, groups, stats, ended)
+    row = step_row(run, adapter, groups, stats, step, ended)
     warn_dropped(run, adapter, row)
-    await observe(run, row)  # auto: measure, confirm, or check the step against the prediction
+    await observe(run, step)  # auto: measure, confirm, or check the step against the prediction
     adapter.last_reward = row["reward_mean"]
     adapter.marks = ended
     if version is not None and snapshot_due(run, adapter):

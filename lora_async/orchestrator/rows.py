@@ -1,5 +1,7 @@
 """The rows a run writes: each step's metrics line and `summary.json`, built from the run's state
-(`metrics.MetricsWriter` writes them; it knows nothing of the orchestrator).
+(`metrics.MetricsWriter` writes them; it knows nothing of the orchestrator). A step's time and
+size are typed first (`step_record`, a `mode.StepRecord`: what auto reads), and its line gives
+them under their keys.
 
 Both say where the time went (`timing.py`): the generator's compute against its idle time and
 what it waited on, the learner's compute against its wait for data, and the reward, tool and
@@ -14,18 +16,31 @@ from typing import TYPE_CHECKING, Any
 from ..buffer import Group
 from ..lag_figures import run_averages
 from ..metrics import read_metrics
-from ..timing import call_figures
+from ..mode import StepRecord
+from ..timing import GeneratorSplit, IdleSplit, call_figures, call_waits
 from .state import AdapterRun, Run, StepMarks
 
 if TYPE_CHECKING:
     from ..learner import StepStats  # the learner package imports peft: only for the annotation
 
 
-def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStats,
-             until: StepMarks | None = None) -> dict[str, Any]:
-    """The step's metrics line, over the interval from the adapter's marks to `until` (default:
-    now). The sync figures are filled in once the version is registered. The reward, tool and
-    environment calls recorded since the adapter's previous step are taken for it."""
+def step_record(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStats, until: StepMarks) -> StepRecord:
+    """The step's time and size, over the interval from the adapter's marks to `until`. The
+    reward, tool and environment calls recorded since the adapter's previous step are taken for it."""
+    marks = adapter.marks
+    samples = sum(len(g.samples) for g in groups)
+    return StepRecord(step_s=round(max(until.wall - marks.wall, 1e-9), 4), learner_s=stats.seconds,
+                      generator=generator_split(marks, until), calls=call_waits(adapter.waits.take()),
+                      engine_batch=engine_running_mean(run, marks),
+                      engine_steps=run.generator.stats.steps - marks.engine_steps, samples=samples,
+                      samples_pulled=len(adapter.pulled_rewards) or samples, groups=len(groups),
+                      tokens_trained=stats.tokens_trained, padded_tokens=stats.padded_tokens)
+
+
+def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStats, step: StepRecord,
+             until: StepMarks) -> dict[str, Any]:
+    """The step's metrics line, over the interval from the adapter's marks to `until`, with the
+    step's figures (`step_record`). The sync figures are filled in once the version is registered."""
     samples = [s for g in groups for s in g.samples]
     # The policy's reward: every group taken for this step, including those with no signal
     # (all samples equal) that were not trained on.
@@ -33,7 +48,6 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
     batch_rewards = [s.reward for s in samples]
     lags = [s.policy_lag for s in samples]
     marks = adapter.marks
-    until = until or run.marks(adapter)
     elapsed = max(until.wall - marks.wall, 1e-9)
     gen_busy = until.busy_s - marks.busy_s
     ls = stats.loss_stats
@@ -46,11 +60,11 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         # each reward function's mean over the completions it scored (`reward/<name>`)
         **{f"reward/{name}": statistics.fmean(values) for name, values in adapter.pulled_parts.items() if values},
         "batch_reward_mean": statistics.fmean(batch_rewards) if batch_rewards else 0.0,
-        "samples": len(samples), "samples_pulled": len(adapter.pulled_rewards) or len(samples),
-        "groups": len(groups), "flat_groups_trained": sum(not g.informative for g in groups),
+        "samples": step.samples, "samples_pulled": step.samples_pulled,
+        "groups": step.groups, "flat_groups_trained": sum(not g.informative for g in groups),
         "tokens_generated": counters.tokens_generated - marks.tokens,
         "tokens_generated_total": sum(a.counters.tokens_generated for a in run.adapters.values()),
-        "tokens_trained": stats.tokens_trained, "padded_tokens": stats.padded_tokens,
+        "tokens_trained": step.tokens_trained, "padded_tokens": step.padded_tokens,
         "micro_batches": stats.micro_batches,
         "policy_lag_mean": statistics.fmean(lags) if lags else 0.0, "policy_lag_max": max(lags) if lags else 0,
         "dropped_stale": run.buffer.counters.per_adapter_dropped.get(adapter.name, 0),
@@ -62,14 +76,12 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         "loss": stats.loss, "grad_norm": stats.grad_norm, "updated": stats.updated,
         "ess_frac": ls.ess_frac, "lr_scale": stats.lr_scale,
         **ls.lag_figures(),  # lag0/tokens, lag0/clip_frac, ... (lag_figures.py)
-        "sync_ms": 0.0, "sync_wait_ms": 0.0, "learner_s": stats.seconds,
+        "sync_ms": 0.0, "sync_wait_ms": 0.0, "learner_s": step.learner_s,
         "learner_cpu_s": round(stats.cpu_s, 4),  # the process's, over the learner's step (StepStats.cpu_s)
         "learner_wait_s": round(run.learner_clock.waited_s, 4),
-        "step_s": round(elapsed, 4), **generator_split(marks, until),
-        **{key: round(value, 6) for key, value in call_figures(adapter.waits.take()).items()},
+        "step_s": step.step_s, **step.generator.figures(), **call_figures(step.calls),
         "gen_idle_frac": max(0.0, 1.0 - gen_busy / elapsed),
-        "engine_running_mean": engine_running_mean(run, marks),
-        "engine_steps": run.generator.stats.steps - marks.engine_steps,
+        "engine_running_mean": step.engine_batch, "engine_steps": step.engine_steps,
         "learner_idle_frac": max(0.0, 1.0 - stats.seconds / elapsed),
         "logprob_mismatch": ls.logprob_mismatch, "logprob_mismatch_onpolicy": ls.onpolicy_mismatch,
         "skipped_nonfinite": counters.skipped_nonfinite,
@@ -80,7 +92,7 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
     }
 
 
-def generator_split(since: StepMarks, until: StepMarks) -> dict[str, float]:
+def generator_split(since: StepMarks, until: StepMarks) -> GeneratorSplit:
     """Where the generator's time went between two marks: computing (the engine's busy time,
     exact; capped at the interval, which an engine step straddling a mark can overshoot) or
     idle, the idle time split by what waited while no request was in flight (the board's
@@ -88,8 +100,8 @@ def generator_split(since: StepMarks, until: StepMarks) -> dict[str, float]:
     interval = max(until.wall - since.wall, 0.0)
     compute = min(max(until.busy_s - since.busy_s, 0.0), interval)
     split = until.idle.minus(since.idle).fitted(interval - compute)
-    return {"gen_compute_s": round(compute, 4), "gen_idle_s": round(interval - compute, 4),
-            **{f"gen_idle_{cause}_s": round(seconds, 4) for cause, seconds in split.parts().items()}}
+    return GeneratorSplit(round(compute, 4), round(interval - compute, 4),
+                          IdleSplit(*(round(seconds, 4) for seconds in split.parts().values())))
 
 
 def time_totals(run: Run) -> dict[str, float]:
@@ -100,7 +112,7 @@ def time_totals(run: Run) -> dict[str, float]:
         return {}
     training = max(run.ended.wall - run.began.wall, 0.0)
     clock = run.learner_clock
-    return {"training_s": round(training, 3), **generator_split(run.began, run.ended),
+    return {"training_s": round(training, 3), **generator_split(run.began, run.ended).figures(),
             "learner_compute_s": round(clock.compute_s, 4), "learner_wait_s": round(clock.wait_s, 4),
             "learner_other_s": round(max(0.0, training - clock.compute_s - clock.wait_s), 4)}
 
