@@ -1,9 +1,10 @@
 """Run metrics: `OUT/metrics.jsonl` (one line per learner step, plus eval and canary lines),
-TensorBoard, and what the console shows while a run trains.
+TensorBoard, and what the console shows while a run trains (`run_console`).
 
 On a terminal the console shows a rich progress bar that follows whichever limit will end the
 run (steps, or the time budget when that comes first). Elsewhere (nohup, CI, a log file) it
-prints a one-line step summary at most every `run.log_interval_s`. The JSONL file is the source
+prints a one-line step summary at most every `run.log_interval_s`, and every status line stays
+one line. The JSONL file is the source
 of truth; on resume it is cut back to the checkpointed step, so lines are never duplicated.
 """
 
@@ -38,6 +39,15 @@ STEP_KEYS = (
 # Summary keys `where_the_time_went` shows (in a fleet, per-call ones are prefixed "<adapter>.").
 TIME_KEY = re.compile(r"(^|\.)(training_s|gen_compute_s|gen_idle(_[a-z]+)?_s|learner_(compute|wait|other)_s"
                       r"|(reward|tool|env)_wait_(s_p50|s_p95|calls))$")
+
+
+def run_console() -> Console:
+    """The console a run's status lines go to (stderr). On a terminal rich wraps a long line to
+    its width; elsewhere (`make demo > log`, CI, nohup) nothing does, so each status line (a
+    `mode:` decision with its reasons) stays one line instead of breaking at 80 columns."""
+    console = Console(stderr=True)
+    console.soft_wrap = not console.is_terminal
+    return console
 
 
 def _clean(value: Any) -> Any:

@@ -1,12 +1,27 @@
-"""What the console shows: a one-line summary without a terminal, a bar on the nearer limit."""
+"""What the console shows: a one-line summary without a terminal, a bar on the nearer limit, and
+status lines that stay one line off a terminal."""
 
+import asyncio
 import io
 import json
 
+import pytest
 from rich.console import Console
 
-from lora_async.config import RunConfig
-from lora_async.metrics import MetricsWriter
+from lora_async.config import RunConfig, TrainConfig
+from lora_async.metrics import MetricsWriter, read_metrics, run_console
+from lora_async.orchestrator import train
+
+from .fakes import FakeParts
+
+TERMINAL_ENV = ("FORCE_COLOR", "FORCE_TERMINAL", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLUMNS")
+
+
+@pytest.fixture
+def off_a_terminal(monkeypatch):
+    """stderr as `make demo > log` has it (pytest captures it: not a TTY), rich's overrides unset."""
+    for name in TERMINAL_ENV:
+        monkeypatch.delenv(name, raising=False)
 
 
 def row(step, wall_s, **extra):
@@ -56,3 +71,34 @@ def test_the_progress_bar_follows_the_time_budget_when_it_is_nearer(tmp_path):
     writer.step(row(999, 200.0))  # one step left: the step limit is nearer now
     assert (task.completed, task.total, task.fields["limit"]) == (999, 1000, "999/1000 steps")
     writer.close()
+
+
+def test_off_a_terminal_a_long_status_line_stays_one_line(off_a_terminal, capsys):
+    line = ("mode (opened, step 2): async (max_staleness 2; generator and learner on their own cores): async at "
+            "k2 took 3.1s a step after the fill (x1.15 for lag); the sync step it implies: 5.2s")
+    console = run_console()
+    assert not console.is_terminal
+    console.print(line, highlight=False)
+    assert capsys.readouterr().err == line + "\n"
+    Console(stderr=True).print(line, highlight=False)  # what a run printed before: broken at 80 columns
+    assert capsys.readouterr().err.count("\n") > 1
+
+
+def test_a_runs_mode_lines_reach_a_log_whole(off_a_terminal, capsys, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"item {i}", "answer": "-"}) for i in range(50)))
+    cfg = TrainConfig.model_validate({
+        "sampling": {"samples_per_prompt": 2, "max_new_tokens": 4}, "learner": {"groups_per_step": 2},
+        "buffer": {"mode": "auto", "max_staleness": 2},
+        "run": {"max_steps": 2, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 0,
+                "chart_every": 0},
+        "task": {"type": "jsonl", "path": str(data), "reward": "regex:^x", "heldout": 4}})
+    asyncio.run(train(cfg, parts=FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.01)))  # the run's own console
+    lines = capsys.readouterr().err.splitlines()
+    modes = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if r.get("kind") == "mode"]
+    assert [m["mode_kind"] for m in modes][:1] == ["opening"] and len(modes) == 2  # then what its steps decide
+    for mode in modes:  # each decision's line, with its whole reason (longer than a terminal's 80 columns)
+        line = next(line for line in lines if line.startswith(f"mode ({mode['mode_kind']}, "))
+        assert line.endswith(mode["mode_reason"]) and len(line) > 80, lines
+    start = next(line for line in lines if line.startswith("mode: auto: "))
+    assert start.endswith("otherwise 2 sync steps measure and it decides")  # the start line, whole

@@ -25,6 +25,7 @@ from rich.console import Console
 from ..buffer import Group
 from ..config import TrainConfig
 from ..errors import TrainingError
+from ..metrics import run_console
 from .auto import begin, observe
 from .batches import start_collectors
 from .lifecycle import Parts, StopSwitch, finish_run, install_stop_signals, setup_run, stop_workers
@@ -56,7 +57,7 @@ async def train(config: TrainConfig, resume: bool = False, console: Console | No
     6. metrics, transport, generator, tasks and the learner thread close, in that order;
     7. a failure is raised as `TrainingError` (after the summary is written).
     """
-    run = await setup_run(config, resume, console or Console(stderr=True), parts)
+    run = await setup_run(config, resume, console or run_console(), parts)
     install_stop_signals(run, stop)
     workers: list[asyncio.Task] = []
     try:
