@@ -5,14 +5,13 @@ counts; and when a flat group trains (`loss.has_gradient`)."""
 from __future__ import annotations
 
 import asyncio
-import json
 from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
 from lora_async.buffer import Group, RolloutBuffer, TrainSample
-from lora_async.config import BufferConfig, TrainConfig, loss_of
+from lora_async.config import BufferConfig, loss_of
 from lora_async.learner import Learner
 from lora_async.loss import has_gradient
 from lora_async.mode import Choice, Mode, initial_choice
@@ -22,6 +21,7 @@ from lora_async.orchestrator.batches import trains_on
 from lora_async.staleness import StalenessWindow, WindowInForce
 
 from .fakes import FakeParts
+from .test_orchestrator import config as fake_run_config
 
 
 @pytest.mark.parametrize("mode, max_staleness, synchronous", [
@@ -61,14 +61,7 @@ def test_the_window_in_force_is_one_object_the_buffer_and_every_admission_ask():
 
 
 def test_a_run_holds_its_window_in_force_once(tmp_path):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": f"item {i}", "answer": "-"}) for i in range(50)))
-    cfg = TrainConfig.model_validate({
-        "sampling": {"samples_per_prompt": 2, "max_new_tokens": 4}, "learner": {"groups_per_step": 2},
-        "buffer": {"mode": "async", "max_staleness": 2},
-        "run": {"max_steps": 2, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 0,
-                "chart_every": 0},
-        "task": {"type": "jsonl", "path": str(data), "reward": "regex:^x", "heldout": 4}})
+    cfg = fake_run_config(tmp_path, buffer={"mode": "async", "max_staleness": 2}, run={"max_steps": 2, "canary_every": 0})
     seen: list[bool] = []
 
     def check(run) -> None:

@@ -8,11 +8,12 @@ import json
 import pytest
 from rich.console import Console
 
-from lora_async.config import RunConfig, TrainConfig
+from lora_async.config import RunConfig
 from lora_async.metrics import MetricsWriter, read_metrics, run_console
 from lora_async.orchestrator import train
 
 from .fakes import FakeParts
+from .test_orchestrator import config as fake_run_config
 
 TERMINAL_ENV = ("FORCE_COLOR", "FORCE_TERMINAL", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLUMNS")
 
@@ -85,14 +86,7 @@ def test_off_a_terminal_a_long_status_line_stays_one_line(off_a_terminal, capsys
 
 
 def test_a_runs_mode_lines_reach_a_log_whole(off_a_terminal, capsys, tmp_path):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": f"item {i}", "answer": "-"}) for i in range(50)))
-    cfg = TrainConfig.model_validate({
-        "sampling": {"samples_per_prompt": 2, "max_new_tokens": 4}, "learner": {"groups_per_step": 2},
-        "buffer": {"mode": "auto", "max_staleness": 2},
-        "run": {"max_steps": 2, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 0,
-                "chart_every": 0},
-        "task": {"type": "jsonl", "path": str(data), "reward": "regex:^x", "heldout": 4}})
+    cfg = fake_run_config(tmp_path, buffer={"mode": "auto", "max_staleness": 2}, run={"max_steps": 2, "canary_every": 0})
     asyncio.run(train(cfg, parts=FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.01)))  # the run's own console
     lines = capsys.readouterr().err.splitlines()
     modes = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if r.get("kind") == "mode"]
