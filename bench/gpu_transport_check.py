@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lora_async.generator.types import AdapterVersion  # noqa: E402
+from lora_async.adapter_version import AdapterVersion  # noqa: E402
 from lora_async.handoff.packed import layout  # noqa: E402
 from lora_async.handoff.receive import CollectiveReceiver, receive_ipc  # noqa: E402
 from lora_async.process_groups import broadcast, make_group, make_store  # noqa: E402

@@ -13,9 +13,10 @@ from typing import Any, Callable
 
 import torch
 
+from lora_async.adapter_version import AdapterVersion, served_name
 from lora_async.buffer import TrainSample
-from lora_async.generator.types import (AdapterVersion, Delivery, GenRequest, GenResult, GeneratorDead,
-                                        GeneratorStats, GenStatus, PublishStats, Sample)
+from lora_async.generator.types import (Delivery, GenRequest, GenResult, GeneratorDead, GeneratorStats, GenStatus,
+                                        PublishStats, Sample)
 from lora_async.handoff import PackError
 from lora_async.learner import StepStats
 from lora_async.loss import LossStats
@@ -119,7 +120,7 @@ class FakeGenerator:
             raise GeneratorDead("engine died")
         delivery.load(self, delivery.version)
         self.live.setdefault(delivery.adapter, []).append(delivery.version)
-        return PublishStats(delivery.adapter, delivery.version, f"{delivery.adapter}@v{delivery.version}",
+        return PublishStats(delivery.adapter, delivery.version, served_name(delivery.adapter, delivery.version),
                             delivery.version, delivery.nbytes, 1.0, transport=delivery.transport)
 
     def abort_older(self, adapter: str, min_version: int, tag: object) -> None:
@@ -175,9 +176,9 @@ class FakeTransport:
         self.generator.validate(version)
         if version.version in self.damage | self.refuse:
             self.damage.discard(version.version)
-            raise PackError(f"{version.name}: checksum mismatch (corrupted transfer)")
+            raise PackError(f"{version.served_name}: checksum mismatch (corrupted transfer)")
         time.sleep(self.publish_s)  # a hand-off that takes a while (an engine step to wait for)
-        self.events.append(f"publish {version.name}")
+        self.events.append(f"publish {version.served_name}")
         return self.generator.register(Delivery(version.adapter, version.version, version.nbytes, self.name,
                                                 lambda receiver, int_id: None))
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
+from lora_async.adapter_version import AdapterVersion, peft_config_dict
 from lora_async.bench.common import blocking_generate
-from lora_async.generator.types import AdapterVersion, GenRequest, GenResult, PublishStats
+from lora_async.generator.types import GenRequest, GenResult, PublishStats
 
 
 def random_adapter(model_dir: Path, adapter: str, version: int, seed: int, scale: float = 1.0,
@@ -18,8 +19,6 @@ def random_adapter(model_dir: Path, adapter: str, version: int, seed: int, scale
     separate tensors, or (`gathered`) views of one buffer, as the learner hands a version over."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
-
-    from lora_async.generator.validate import peft_config_dict
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -13,9 +13,10 @@ import psutil
 import pytest
 import torch
 
+from lora_async.adapter_version import AdapterVersion
 from lora_async.adapters import save_peft_dir
 from lora_async.generator.registry import RegistryError
-from lora_async.generator.types import AdapterVersion, GenRequest, GenStatus
+from lora_async.generator.types import GenRequest, GenStatus
 from lora_async.generator.validate import AdapterError
 
 from .helpers import (GREEDY, PROMPTS, first_token, fleet_config, generate, greedy, next_version, publish,
@@ -58,7 +59,7 @@ def test_tensor_publish_matches_peft_directory(engine, tiny_model, tmp_path):
     """(a) tensors handed over in memory serve exactly what vLLM loads from a PEFT directory."""
     version = random_adapter(tiny_model, "a", next_version(engine, "a"), seed=1)
     stats = publish(engine, version)
-    assert stats.vllm_name == f"a@v{version.version}"
+    assert stats.served_name == f"a@v{version.version}"
     peft_dir = save_peft_dir(tmp_path / "peft", version.tensors, version.peft_config)
     engine.publish_dir("b", next_version(engine, "b"), peft_dir)
     base = [first_token(greedy(engine, None, p)) for p in PROMPTS]
@@ -111,7 +112,7 @@ def test_new_weights_are_served_never_stale(engine, tiny_model):
     for seed in (21, 22, 23):
         version = random_adapter(tiny_model, "c", next_version(engine, "c"), seed=seed, scale=3.0)
         stats = publish(engine, version)
-        seen.append((stats.int_id, stats.vllm_name))
+        seen.append((stats.int_id, stats.served_name))
         result = greedy(engine, "c", prompt, max_tokens=8)
         assert result.version == version.version
         # reference: the same weights under a fresh adapter name

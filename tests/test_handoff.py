@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lora_async.adapter_version import AdapterVersion
 from lora_async.generator.registry import LiveVersion, VersionRegistry, register_version
-from lora_async.generator.types import AdapterVersion, Delivery, GeneratorStats, PublishStats
+from lora_async.generator.types import Delivery, GeneratorStats, PublishStats
 from lora_async.handoff import PackError, PackMeta
 from lora_async.handoff.receive import receive_shm
 from lora_async.staleness import StalenessWindow
@@ -57,7 +58,7 @@ class FakeEngineGenerator:
     def _retire(self, live: LiveVersion) -> str:
         self.engine.remove(live.int_id)
         self.registry.remove(live)
-        return live.vllm_name
+        return live.served_name
 
 
 def version(v: int = 0) -> AdapterVersion:
@@ -89,7 +90,7 @@ def test_shm_delivers_the_tensors_in_the_serving_dtype(serving):
             got = generator.engine.held[stats.int_id]
             assert {k: t.dtype for k, t in got.items()} == dict.fromkeys(got, getattr(torch, serving))
             assert all(torch.equal(got[k], t.to(getattr(torch, serving))) for k, t in version(v).tensors.items())
-            assert (stats.transport, stats.vllm_name) == ("shm", f"a@v{v}") and stats.bytes >= 8 * 48 * 2
+            assert (stats.transport, stats.served_name) == ("shm", f"a@v{v}") and stats.bytes >= 8 * 48 * 2
         assert sorted(generator.registry.versions("a")) == [1, 2] and len(generator.engine.held) == 2  # v0 retired
     finally:
         transport.close()

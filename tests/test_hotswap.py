@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
+from lora_async.adapter_version import AdapterVersion
 from lora_async.adapters import save_peft_dir
-from lora_async.generator.types import AdapterVersion, GenRequest
+from lora_async.generator.types import GenRequest
 from lora_async.generator.validate import AdapterError
 
 from .helpers import GREEDY, PROMPTS, generate, greedy, next_version, publish, random_adapter

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from lora_async.generator.types import AdapterVersion
+from lora_async.adapter_version import AdapterVersion
 from lora_async.handoff import PackedAdapter, PackError, PackMeta
 from lora_async.handoff.packed import unpack_owned, unpack_views
 from lora_async.sync.pack import pack
@@ -29,7 +29,7 @@ def test_round_trip_with_cast_and_alignment():
         assert views[name].dtype == torch.bfloat16
         assert torch.equal(views[name], tensor.to(torch.bfloat16))
     assert packed.meta.peft_config == version.peft_config
-    assert packed.meta.name == "a@v3" and packed.meta.nbytes == packed.nbytes
+    assert packed.meta.served_name == "a@v3" and packed.meta.nbytes == packed.nbytes
 
 
 def test_unpack_owned_is_a_copy():

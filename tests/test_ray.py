@@ -71,7 +71,7 @@ def test_each_version_reaches_both_replicas_which_serve_what_the_inprocess_engin
     assert len({i["pid"] for i in info}) == REPLICAS and all(i["pid"] != os.getpid() for i in info)
     for version, seed in enumerate(SEEDS):
         stats = transport.publish(random_adapter(tiny_model, "ref", version, seed=seed))
-        assert stats.transport == "ray" and stats.vllm_name == f"ref@v{version}"
+        assert stats.transport == "ray" and stats.served_name == f"ref@v{version}"
         assert all(version in live for live in replica_versions(generator, "ref"))  # before publish returned
     for index in range(REPLICAS):
         for version in (0, 1):
@@ -138,7 +138,7 @@ def test_a_killed_replica_loses_no_request_and_comes_back_with_every_live_versio
     os.kill(victim["pid"], signal.SIGKILL)
     # A version published right after: registered on the survivor (the dead replica is out of
     # routing, or fails to register and is taken out); the restarted one must catch up with it.
-    assert transport.publish(random_adapter(tiny_model, "r", 1, seed=4)).vllm_name == "r@v1"
+    assert transport.publish(random_adapter(tiny_model, "r", 1, seed=4)).served_name == "r@v1"
     for _ in requests:
         assert done.acquire(timeout=120), "a request never came back"
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]  # resubmitted, not lost
@@ -151,7 +151,7 @@ def test_a_killed_replica_loses_no_request_and_comes_back_with_every_live_versio
         assert replica_versions(generator, adapter) == [generator.live_versions(adapter)] * REPLICAS
     assert all(1 in live for live in replica_versions(generator, "r"))
     stats = transport.publish(random_adapter(tiny_model, "r", 2, seed=5))
-    assert all(2 in live for live in replica_versions(generator, "r")) and stats.vllm_name == "r@v2"
+    assert all(2 in live for live in replica_versions(generator, "r")) and stats.served_name == "r@v2"
     pinned = GenRequest(PROMPTS[1], "r", max_tokens=4, temperature=0.0, version=2)
     assert generator.call_replica(0, "generate", pinned).samples[0].token_ids == \
         generator.call_replica(1, "generate", pinned).samples[0].token_ids

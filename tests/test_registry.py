@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from lora_async.adapter_version import parse_served_name, served_name
 from lora_async.generator.registry import LiveVersion, RegistryError, VersionRegistry, register_version
 from lora_async.generator.spec import EngineSpec
 from lora_async.generator.types import Delivery, GeneratorStats
@@ -17,13 +18,24 @@ def test_names_embed_versions_and_ids_are_never_reused():
     seen = set()
     for v in range(6):
         live = reg.add("a", v)
-        assert live.vllm_name == f"a@v{v}"
+        assert live.served_name == f"a@v{v}"
         assert live.int_id not in seen
         seen.add(live.int_id)
         for old in reg.retirable():
             reg.remove(old)
     reg.reserve_id()  # a failed registration still burns its id
     assert reg.add("b", 0).int_id == max(seen) + 2
+
+
+@pytest.mark.parametrize("adapter, version", [("a", 0), ("fine-name_2", 13), ("_x", 100000)])
+def test_a_served_name_parses_back_to_its_adapter_and_version(adapter, version):
+    assert parse_served_name(served_name(adapter, version)) == (adapter, version)
+
+
+@pytest.mark.parametrize("name", ["a", "a@v", "a@vx", "a@v-1", "@v1", "a b@v1", "../a@v1", "a@v1/..", ".a@v1.tmp"])
+def test_anything_but_a_served_name_is_refused(name):
+    with pytest.raises(ValueError, match="is not '<name>@v<k>'"):
+        parse_served_name(name)
 
 
 def test_versions_must_increase():
@@ -107,7 +119,7 @@ def test_engine_slots_hold_every_live_version_plus_one_being_published(max_stale
 
     def retire(live: LiveVersion) -> str:
         reg.remove(live)
-        return live.vllm_name
+        return live.served_name
 
     held: list[LiveVersion] = []
     most = 0
@@ -160,9 +172,9 @@ def registrar(window=StalenessWindow(1), refuse=()):
 
     def retire(live):
         receiver.held.pop(live.int_id)
-        receiver.removed.append(live.vllm_name)
+        receiver.removed.append(live.served_name)
         reg.remove(live)
-        return live.vllm_name
+        return live.served_name
 
     def register(d, **kwargs):
         return register_version(reg, d, receiver, stats, retire=retire, **kwargs)
@@ -172,7 +184,7 @@ def registrar(window=StalenessWindow(1), refuse=()):
 def test_a_registered_version_is_live_under_a_fresh_id_with_its_stats():
     reg, receiver, stats, register = registrar()
     published = register(delivery("a", 0))
-    assert (published.adapter, published.version, published.vllm_name, published.bytes) == ("a", 0, "a@v0", 100)
+    assert (published.adapter, published.version, published.served_name, published.bytes) == ("a", 0, "a@v0", 100)
     assert receiver.held == {published.int_id: "a@v0"} and reg.versions("a") == [0]
     assert reg.all_live()[0].path == "/tmp/a0" and published.transport == "fake" and published.retired == []
     assert published.ms >= 0 and published.wait_ms == 0 and stats.rejected_versions == 0

@@ -83,7 +83,7 @@ def test_cross_process_transport_serves_what_inproc_serves(kind, separate_engine
     try:
         for version, seed in enumerate(SEEDS):
             stats = transport.publish(random_adapter(tiny_model, adapter, version, seed=seed))
-            assert (stats.transport, stats.version, stats.vllm_name) == (kind, version, f"{adapter}@v{version}")
+            assert (stats.transport, stats.version, stats.served_name) == (kind, version, f"{adapter}@v{version}")
             assert stats.bytes > 0 and stats.ms > 0
             assert_same_tokens(first_tokens(separate_engine, adapter), reference[version])
     finally:
@@ -193,7 +193,7 @@ def test_http_transport_serves_what_inproc_serves(server, tiny_model, tmp_path, 
         transport = HttpTransport(generator, tmp_path / "sync")
         for version, seed in enumerate(SEEDS):
             stats = transport.publish(random_adapter(tiny_model, "h", version, seed=seed))
-            assert (stats.transport, stats.vllm_name) == ("http", f"h@v{version}") and stats.bytes > 0
+            assert (stats.transport, stats.served_name) == ("http", f"h@v{version}") and stats.bytes > 0
             assert_same_tokens(first_tokens(generator, "h"), reference[version])
         # a third version retires the first (drained, out of the window): unloaded and deleted
         transport.publish(random_adapter(tiny_model, "h", 2, seed=3))

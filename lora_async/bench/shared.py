@@ -23,11 +23,12 @@ from typing import Any, Callable, TypeVar
 import torch
 from rich.console import Console
 
+from ..adapter_version import AdapterVersion
 from ..buffer import TrainSample
 from ..config import TrainConfig
 from ..generator.engine import VllmGenerator
 from ..generator.receivers import EngineReceiver
-from ..generator.types import AdapterVersion, Delivery, GenRequest, GenResult, GeneratorStats, PublishStats
+from ..generator.types import Delivery, GenRequest, GenResult, GeneratorStats, PublishStats
 from ..learner.learner import Learner, StepStats
 from ..orchestrator.lifecycle import LocalParts
 from ..sync.transports import Transport

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
+from ..adapter_version import AdapterVersion, peft_config_dict
 from ..adapters import save_peft_dir
-from ..generator.types import AdapterVersion, GenRequest
+from ..generator.types import GenRequest
 
 if TYPE_CHECKING:
     from ..generator.engine import VllmGenerator
@@ -34,8 +35,6 @@ BASELINE_REPS = 5
 def _adapter(model_dir: Path, rank: int, seed: int = 0) -> AdapterVersion:
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
-
-    from ..generator.validate import peft_config_dict
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from .receivers import EngineReceiver, ReplicaReceiver, ServerReceiver
-from .types import (AdapterVersion, Delivery, GenRequest, GenResult, Generator, GeneratorDead, GeneratorStats,
-                    GenStatus, PublishStats, Sample, generate_async)
+from .types import (Delivery, GenRequest, GenResult, Generator, GeneratorDead, GeneratorStats, GenStatus, PublishStats,
+                    Sample, generate_async)
 
-__all__ = ["AdapterVersion", "Delivery", "GenRequest", "GenResult", "Generator", "GeneratorDead",
-           "GeneratorStats", "GenStatus", "PublishStats", "RunGenerator", "Sample", "generate_async",
-           "make_generator"]
+__all__ = ["Delivery", "GenRequest", "GenResult", "Generator", "GeneratorDead", "GeneratorStats", "GenStatus",
+           "PublishStats", "RunGenerator", "Sample", "generate_async", "make_generator"]
 
 if TYPE_CHECKING:
     from ..config import TrainConfig

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
+from ..adapter_version import AdapterVersion, served_name
 from ..placement import Placement, pin_current_thread
 from .registry import LiveVersion, VersionRegistry, register_version
 from .spec import EngineSpec
-from .types import (AdapterVersion, Delivery, GenRequest, GenResult, GeneratorDead, GeneratorStats, GenStatus,
-                    PublishStats, Sample, hand_back)
+from .types import (Delivery, GenRequest, GenResult, GeneratorDead, GeneratorStats, GenStatus, PublishStats, Sample,
+                    hand_back)
 from .validate import AdapterError, BaseShapes, VersionCheck
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class VllmGenerator:
         if not (path / "adapter_config.json").is_file():
             raise AdapterError(f"{path} is not a PEFT adapter directory")
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-        name = f"{adapter}@v{version}"
+        name = served_name(adapter, version)
 
         def load(client: EngineClient, int_id: int) -> None:
             client.add_dir(name, int_id, str(path))
@@ -258,7 +259,7 @@ class VllmGenerator:
     def _retire(self, live: LiveVersion) -> str:
         self._engine.remove(live.int_id)
         self.registry.remove(live)
-        return live.vllm_name
+        return live.served_name
 
     def _abort_older(self, adapter: str, min_version: int, tag: object) -> None:
         doomed = [rid for rid, p in self._pending.items() if p.request.tag == tag and p.live is not None
@@ -302,7 +303,7 @@ class VllmGenerator:
                 live = self.registry.acquire(request.adapter, request.version)
                 # The path is never read while the version is live (we never let vLLM evict
                 # it); if it ever were, a missing path fails loudly instead of serving stale.
-                lora = LoraRef(live.vllm_name, live.int_id, live.path or f"lora-async://{live.vllm_name}")
+                lora = LoraRef(live.served_name, live.int_id, live.path or f"lora-async://{live.served_name}")
             self._pending[request_id] = _Pending(request, on_done, live)
             self._engine.add_request(request_id, request, lora)
             self.stats.request_started()

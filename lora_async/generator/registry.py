@@ -2,8 +2,9 @@
 
 Pure bookkeeping (no vLLM import), so the rules are unit-tested on their own:
 
-- a version is served under the name `<adapter>@v<k>` and an int id that is never reused
-  (vLLM keys its prefix cache by name and its LoRA cache by id; reuse serves stale weights);
+- a version is served under the name `<adapter>@v<k>` (`adapter_version.served_name`) and an
+  int id that is never reused (vLLM keys its prefix cache by name and its LoRA cache by id;
+  reuse serves stale weights);
 - versions of one adapter are published in increasing order;
 - new requests always take the newest version; each request is counted in flight on the
   version it started with until it finishes;
@@ -21,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
+from ..adapter_version import served_name
 from ..staleness import StalenessWindow
 from .types import Delivery, GeneratorStats, PublishStats
 
@@ -36,8 +38,8 @@ class LiveVersion:
     path: str | None = None  # set when vLLM loaded this version from a PEFT directory
 
     @property
-    def vllm_name(self) -> str:
-        return f"{self.adapter}@v{self.version}"
+    def served_name(self) -> str:
+        return served_name(self.adapter, self.version)
 
 
 class RegistryError(Exception):
@@ -88,9 +90,10 @@ class VersionRegistry:
         """Count a request in flight on `version` (None: the newest) of `adapter`."""
         if adapter not in self._newest:
             raise RegistryError(f"adapter {adapter!r} has no published version")
-        live = self._live[adapter].get(self._newest[adapter] if version is None else version)
+        wanted = self._newest[adapter] if version is None else version
+        live = self._live[adapter].get(wanted)
         if live is None:
-            raise RegistryError(f"{adapter}@v{version} is not live here (live: {self.versions(adapter)})")
+            raise RegistryError(f"{served_name(adapter, wanted)} is not live here (live: {self.versions(adapter)})")
         live.in_flight += 1
         return live
 
@@ -98,7 +101,7 @@ class VersionRegistry:
         """One request on `live` ended. True when the version should be retired now (drained
         and outside the window)."""
         if live.in_flight <= 0:
-            raise RegistryError(f"{live.vllm_name}: release without acquire")
+            raise RegistryError(f"{live.served_name}: release without acquire")
         live.in_flight -= 1
         return live.in_flight == 0 and self.outside_window(live)
 
@@ -168,5 +171,5 @@ def register_version(registry: VersionRegistry, delivery: Delivery[R], receiver:
         retired = [retire(old) for old in registry.retirable()]
     wait_ms = waited_ms + (load_wait_ms or 0.0)
     total_ms = (time.perf_counter() - delivery.started) * 1000
-    return PublishStats(delivery.adapter, delivery.version, live.vllm_name, int_id, delivery.nbytes,
+    return PublishStats(delivery.adapter, delivery.version, live.served_name, int_id, delivery.nbytes,
                         ms=total_ms - wait_ms, retired=retired, wait_ms=wait_ms, transport=delivery.transport)

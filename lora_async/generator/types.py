@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    import torch
+    from ..adapter_version import AdapterVersion
 
 R_contra = TypeVar("R_contra", contravariant=True)  # a delivery loads into any receiver that offers what it calls
 R_co = TypeVar("R_co", covariant=True)  # a generator whose receiver offers more is a generator of less
@@ -88,48 +88,6 @@ class GenResult:
 
 
 @dataclass(frozen=True)
-class AdapterVersion:
-    """An adapter version ready to publish: tensors (peft state-dict names) + peft config."""
-
-    adapter: str
-    version: int
-    tensors: dict[str, torch.Tensor]
-    peft_config: dict = field(default_factory=dict)
-    # The one contiguous CPU buffer `tensors` are views of, laid end to end in their order
-    # (`gather` makes it): a receiver may copy every tensor with one op. None: separate tensors.
-    flat: torch.Tensor | None = field(default=None, repr=False, compare=False)
-
-    @classmethod
-    def gather(cls, adapter: str, version: int, state: dict[str, torch.Tensor], peft_config: dict) -> "AdapterVersion":
-        """One copy of `state` (any device) into one contiguous CPU buffer, every lora_A tensor
-        first and then every lora_B one (the order vLLM's merged model is filled in), as views.
-        Tensors of mixed dtypes are copied one by one instead."""
-        import torch
-
-        ordered = sorted(state, key=lambda k: "lora_B" in k)  # stable: A's, then B's, each as given
-        dtypes = {t.dtype for t in state.values()}
-        if len(dtypes) != 1:
-            return cls(adapter, version, {k: state[k].detach().to("cpu", copy=True) for k in ordered}, peft_config)
-        flat = torch.empty(sum(state[k].numel() for k in ordered), dtype=dtypes.pop())
-        views = dict(zip(ordered, (piece.view(state[k].shape) for piece, k in
-                                   zip(torch.split(flat, [state[k].numel() for k in ordered]), ordered))))
-        with torch.no_grad():
-            torch._foreach_copy_(list(views.values()), [state[k].detach() for k in ordered])
-        return cls(adapter, version, views, peft_config, flat)
-
-    @property
-    def name(self) -> str:
-        """The name it is served under: `<adapter>@v<version>` (never reused)."""
-        return f"{self.adapter}@v{self.version}"
-
-    @property
-    def nbytes(self) -> int:
-        if self.flat is not None:
-            return self.flat.numel() * self.flat.element_size()
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-@dataclass(frozen=True)
 class Delivery(Generic[R_contra]):
     """A version on its way into a generator: what a transport hands over.
 
@@ -154,7 +112,7 @@ class Delivery(Generic[R_contra]):
 class PublishStats:
     adapter: str
     version: int
-    vllm_name: str
+    served_name: str
     int_id: int
     bytes: int
     ms: float  # the work: tensors ready -> registered, less the wait below

@@ -9,16 +9,15 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
 import torch
 
+from ..adapter_version import AdapterVersion
 from ..config import ADAPTER_NAME_RE
 from .registry import VersionRegistry
-from .types import AdapterVersion, GeneratorStats
+from .types import GeneratorStats
 
 PEFT_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<ab>lora_A|lora_B)\.weight$")
 
@@ -53,16 +52,6 @@ class BaseShapes:
 
     def suffixes(self) -> set[str]:
         return {name.rsplit(".", 1)[-1] for name in self.linear}
-
-
-class _ConfigObject(Protocol):
-    def to_dict(self) -> dict[str, Any]: ...
-
-
-def peft_config_dict(config: _ConfigObject | Mapping[str, Any]) -> dict[str, Any]:
-    """A peft `LoraConfig` (or a mapping of its fields) as a JSON-able dict (sets become sorted lists)."""
-    raw = dict(config) if isinstance(config, Mapping) else config.to_dict()
-    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in raw.items()}
 
 
 def adapter_signature(version: AdapterVersion) -> tuple:
@@ -111,7 +100,7 @@ class VersionCheck:
             with self._lock:
                 self.registry.check_new(version.adapter, version.version)
             if values:
-                check_finite_all(version.name, list(version.tensors.values()))
+                check_finite_all(version.served_name, list(version.tensors.values()))
         except Exception:
             self.stats.version_rejected()
             raise
@@ -143,7 +132,7 @@ def validate_adapter(version: AdapterVersion, shapes: BaseShapes, max_rank: int,
 
     `check_values=False` skips the NaN/Inf scan (for callers that scan a packed buffer at once).
     """
-    name = f"{version.adapter}@v{version.version}"
+    name = version.served_name
     if not ADAPTER_NAME_RE.match(version.adapter):
         raise AdapterError(
             f"adapter name {version.adapter!r} is not a plain identifier "

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..adapter_version import served_name
 from ..dtypes import DTYPES, ITEMSIZE, NAMES
 
 ALIGN = 64  # bytes; keeps every tensor view aligned for vectorised kernels
@@ -51,9 +52,9 @@ class PackMeta:
     nbytes: int = 0  # the buffer's length
 
     @property
-    def name(self) -> str:
-        """The name the version is served under: `<adapter>@v<version>`."""
-        return f"{self.adapter}@v{self.version}"
+    def served_name(self) -> str:
+        """The name the version is served under (`adapter_version.served_name`)."""
+        return served_name(self.adapter, self.version)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data, for a carrier that decodes without custom types."""
@@ -174,7 +175,7 @@ def unpack_views(packed: PackedAdapter) -> dict[str, torch.Tensor]:
     if buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise PackError("packed buffer must be 1-D uint8")
     if meta.checksum is not None and checksum(buffer) != meta.checksum:
-        raise PackError(f"{meta.name}: checksum mismatch (corrupted transfer)")
+        raise PackError(f"{meta.served_name}: checksum mismatch (corrupted transfer)")
     end = 0
     for tensor in meta.tensors:
         dtype = DTYPES.get(tensor.dtype)

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from ..adapter_version import AdapterVersion
     from ..buffer import TrainSample
-    from ..generator.types import AdapterVersion
     from .learner import StepStats
 
 

@@ -18,11 +18,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..adapter_version import AdapterVersion, peft_config_dict
 from ..buffer import TrainSample
 from ..config import LearnerConfig, LoraConfig, LossConfig
 from ..dtypes import resolve_dtype
-from ..generator.types import AdapterVersion
-from ..generator.validate import peft_config_dict
 from ..loss import LossStats, has_gradient, policy_loss
 from ..placement import Placement
 from .frozen_base import load_base, one_kernel_path, quiet_int8_casts

@@ -38,9 +38,9 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..adapter_version import AdapterVersion
 from ..buffer import TrainSample
 from ..config import LearnerConfig, LoraConfig, LossConfig
-from ..generator.types import AdapterVersion
 from ..placement import Placement
 from ..process_groups import make_store
 from .learner import Accumulated, StepStats, lr_scale, step_stats

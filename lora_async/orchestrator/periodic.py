@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from ..adapter_version import AdapterVersion
 from ..checkpoint import RunState, save_checkpoint
-from ..generator.types import AdapterVersion
 from ..rollout import EvalResult
 from .state import AdapterRun, Run
 

@@ -9,9 +9,10 @@ import asyncio
 import statistics
 from typing import Any
 
+from ..adapter_version import AdapterVersion
 from ..buffer import TrainSample
 from ..errors import TrainingError
-from ..generator.types import AdapterVersion, GenRequest, PublishStats
+from ..generator.types import GenRequest, PublishStats
 from ..generator.validate import AdapterError
 from ..handoff import PackError
 from .periodic import save_snapshot
@@ -79,13 +80,14 @@ async def deliver(run: Run, adapter: AdapterRun, version: AdapterVersion, row: d
             adapter.counters.rejected_versions += 1
             adapter.rejected_in_a_row += 1
             row.setdefault("sync_error", str(exc)[:300])
-            run.console.print(f"[red]{version.name} refused ({exc}); v{adapter.admission.published} keeps serving[/]")
+            run.console.print(f"[red]{version.served_name} refused ({exc}); "
+                              f"v{adapter.admission.published} keeps serving[/]")
             if adapter.rejected_in_a_row >= MAX_REJECTED_IN_A_ROW:
                 run.fail(TrainingError(f"{adapter.name}: {adapter.rejected_in_a_row} transfers in a row refused; "
                                        f"last: {exc}"))
                 return None
         except Exception as exc:
-            run.fail(TrainingError(f"publishing {version.name} failed: {exc}"))
+            run.fail(TrainingError(f"publishing {version.served_name} failed: {exc}"))
             raise
         else:
             adapter.rejected_in_a_row = 0
@@ -116,4 +118,4 @@ async def canary(run: Run, adapter: AdapterRun, version: AdapterVersion) -> None
     if diff > CANARY_WARN_NATS:
         adapter.counters.canary_warnings += 1
         run.console.print(f"[red]canary: generator and learner disagree by {diff:.2f} nats/token on "
-                          f"{version.name}: the served adapter may not be what was trained[/]")
+                          f"{version.served_name}: the served adapter may not be what was trained[/]")

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from rich.console import Console
 
+from ..adapter_version import AdapterVersion
 from ..buffer import Group, RolloutBuffer, TrainSample
-from ..generator.types import AdapterVersion, GenRequest, GenResult, Generator, GeneratorStats, generate_async
+from ..generator.types import GenRequest, GenResult, Generator, GeneratorStats, generate_async
 from ..learner.api import LearnerAPI
 from ..mode import Choice
 from ..outcomes import EpisodeStats

@@ -52,7 +52,7 @@ class CollectiveTransport(PackingTransport[EngineReceiver]):
 
     def _loader(self, packed: PackedAdapter) -> Loader[EngineReceiver]:
         buffer, meta = packed.buffer, packed.meta
-        name = meta.name
+        name = meta.served_name
 
         def load(engine: EngineReceiver, int_id: int) -> None:
             outcome: dict[str, BaseException] = {}

@@ -13,19 +13,17 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Iterator
 
+from ..adapter_version import AdapterVersion, parse_served_name
 from ..adapters.store import save_peft_dir
-from ..config import ADAPTER_NAME_RE
 from ..generator.receivers import ServerReceiver
-from ..generator.types import AdapterVersion, Delivery, Generator, PublishStats
+from ..generator.types import Delivery, Generator, PublishStats
 
 
 def version_dir(sync_dir: Path, served_name: str) -> Path:
     """`sync_dir/<adapter>@v<k>`, refusing names that would land anywhere else."""
-    adapter, _, version = served_name.partition("@v")
-    if not ADAPTER_NAME_RE.fullmatch(adapter) or not version.isdigit():
-        raise ValueError(f"adapter version name {served_name!r} is not '<name>@v<k>' with a plain name "
-                         "(letters, digits, '_' and '-')")
+    parse_served_name(served_name)
     root = Path(sync_dir).resolve()
     path = (root / served_name).resolve()
     if path.parent != root:
@@ -46,11 +44,11 @@ class HttpTransport:
     def publish(self, version: AdapterVersion) -> PublishStats:
         started = time.perf_counter()
         self.generator.validate(version)
-        path = save_peft_dir(version_dir(self.sync_dir, version.name), version.tensors, version.peft_config)
+        path = save_peft_dir(version_dir(self.sync_dir, version.served_name), version.tensors, version.peft_config)
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
         def load(servers: ServerReceiver, int_id: int) -> None:
-            servers.load(version.name, str(path), timeout_s=self.timeout_s, retry_budget_s=self.retry_budget_s)
+            servers.load(version.served_name, str(path), timeout_s=self.timeout_s, retry_budget_s=self.retry_budget_s)
 
         try:
             stats = self.generator.register(Delivery(version.adapter, version.version, size, self.name, load,
@@ -63,11 +61,20 @@ class HttpTransport:
 
     def _prune(self, adapter: str) -> None:
         """Remove the directories of this adapter's versions that are no longer live."""
-        live = {f"{adapter}@v{v}" for v in self.generator.live_versions(adapter)}
-        for path in self.sync_dir.glob(f"{adapter}@v*"):
-            if path.name not in live:
+        live = set(self.generator.live_versions(adapter))
+        for path, (name, version) in self._version_dirs():
+            if name == adapter and version not in live:
                 shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
-        for path in self.sync_dir.glob("*@v*"):
+        for path, _ in self._version_dirs():
             shutil.rmtree(path, ignore_errors=True)
+
+    def _version_dirs(self) -> Iterator[tuple[Path, tuple[str, int]]]:
+        """Every version directory in the sync directory, with the (adapter, version) its name holds."""
+        for path in list(self.sync_dir.iterdir()):
+            try:
+                parsed = parse_served_name(path.name)
+            except ValueError:
+                continue  # not a version's directory (nor one half-written: those start with a dot)
+            yield path, parsed

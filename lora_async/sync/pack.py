@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..generator.types import AdapterVersion
+from ..adapter_version import AdapterVersion
 from ..handoff.packed import (PackedAdapter, PackError, PackMeta, TensorMeta, checksum, layout, packed_nbytes,
                               tensor_views)
 

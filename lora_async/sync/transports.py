@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Callable, Generic, Protocol, TypeVar
 
 import torch
 
+from ..adapter_version import AdapterVersion
 from ..dtypes import torch_dtype
 from ..errors import RunError
 from ..generator.receivers import EngineReceiver
-from ..generator.types import AdapterVersion, Delivery, Generator, PublishStats
+from ..generator.types import Delivery, Generator, PublishStats
 from ..generator.validate import AdapterError
 from ..handoff.packed import PackedAdapter, TensorMeta, layout, packed_nbytes
 from .pack import pack
@@ -85,7 +86,7 @@ class InprocTransport:
             try:
                 engine.add_tensors(int_id, tensors, config, borrowed=True, flat=flat)
             except AdapterError as exc:
-                raise AdapterError(f"{version.name}: {exc}") from None
+                raise AdapterError(f"{version.served_name}: {exc}") from None
 
         return self.generator.register(Delivery(version.adapter, version.version, version.nbytes, self.name,
                                                 load, started))

@@ -37,10 +37,11 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, TypeVar
 
+from ...adapter_version import AdapterVersion
 from ...handoff import PackMeta
 from ..registry import LiveVersion, VersionRegistry, register_version
 from ..spec import EngineSpec
-from ..types import AdapterVersion, Delivery, GenRequest, GenResult, GeneratorDead, GenStatus, PublishStats, hand_back
+from ..types import Delivery, GenRequest, GenResult, GeneratorDead, GenStatus, PublishStats, hand_back
 from ..validate import BaseShapes, VersionCheck
 from . import cluster as ray_cluster
 from .health import PING_TIMEOUT_S, RayStats, ReplicaState
@@ -302,7 +303,7 @@ class RayGenerator(ReplicaVersions):
         drops its own copy by the wider window) and let its object go."""
         self.registry.remove(live)
         self._objects.pop((live.adapter, live.version), None)
-        return live.vllm_name
+        return live.served_name
 
     # ------------------------------------------------------------------ plumbing
     @staticmethod

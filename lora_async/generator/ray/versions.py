@@ -60,7 +60,7 @@ class ReplicaVersions(ReplicaHealth):
                     waits = [out["wait_ms"] for out in outcomes if isinstance(out, dict)]
                     for replica, error in failed:  # out of routing until the watcher has caught it up
                         replica.routable = False
-                        replica.last_error = f"could not register {meta.name}: {error}"
+                        replica.last_error = f"could not register {meta.served_name}: {error}"
                         log.warning("replica %d: %s; out of routing until it catches up", replica.index,
                                     replica.last_error)
                     return float(max(waits, default=0.0))
@@ -68,7 +68,7 @@ class ReplicaVersions(ReplicaHealth):
                     raise refusals[0]  # every replica refused the object: the version is refused
                 if not refusals and self._dead is None and not self._closed:
                     continue  # every target died or hung (now out of routing): wait for one to come back
-                raise refusals[0] if refusals else GeneratorDead(f"no replica could register {meta.name}: "
+                raise refusals[0] if refusals else GeneratorDead(f"no replica could register {meta.served_name}: "
                                                                  f"{failed[0][1]}")
 
     async def _add_version(self, replica: ReplicaState, ref: Any, meta: PackMeta) -> dict[str, float]:

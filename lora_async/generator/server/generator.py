@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
+from ...adapter_version import AdapterVersion
 from ...staleness import StalenessWindow
 from ..registry import LiveVersion, VersionRegistry, register_version
-from ..types import (AdapterVersion, Delivery, GenRequest, GenResult, GeneratorStats, GenStatus, PublishStats,
-                     Sample, hand_back)
+from ..types import Delivery, GenRequest, GenResult, GeneratorStats, GenStatus, PublishStats, Sample, hand_back
 from ..validate import BaseShapes, VersionCheck
 from .client import ServerClient, ServerError
 
@@ -167,7 +167,7 @@ class ServerGenerator:
     # ---------------------------------------------------------------- internals
     def _run_request(self, url: str, request: GenRequest, live: LiveVersion | None,
                      on_done: Callable[[GenResult], None]) -> None:
-        payload = {"model": live.vllm_name if live is not None else self.base_model,
+        payload = {"model": live.served_name if live is not None else self.base_model,
                    "prompt": list(request.prompt_ids), "n": request.n, "max_tokens": request.max_tokens,
                    "min_tokens": request.min_tokens, "temperature": request.temperature, "top_p": request.top_p,
                    "logprobs": 0, "return_token_ids": True}
@@ -196,5 +196,5 @@ class ServerGenerator:
 
     def _retire(self, live: LiveVersion) -> str:
         self.registry.remove(live)
-        self.client.unload(live.vllm_name)
-        return live.vllm_name
+        self.client.unload(live.served_name)
+        return live.served_name
