@@ -94,7 +94,8 @@ def served_base_export(device: str, tokenizer_dir: Path, work: Path, quick: bool
     """Part 5: the nf4 learner's base, dequantised for the generator, from an 8B-shaped model."""
     import shutil
 
-    from lora_async.learner.served_base import Recipe, export_base
+    from lora_async.base_recipe import Recipe
+    from lora_async.learner.served_base import export_base
 
     shape = dict(LLAMA_8B, num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                  num_key_value_heads=2) if quick else LLAMA_8B

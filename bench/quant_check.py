@@ -109,7 +109,8 @@ def served_base_gap(model_dir, dtype: str, quantization: str, probes: list, quan
 
     from lora_async.config import LearnerConfig, LoraConfig, default_loss
     from lora_async.learner import Learner
-    from lora_async.learner.served_base import Recipe, export_base
+    from lora_async.base_recipe import Recipe
+    from lora_async.learner.served_base import export_base
     from lora_async.placement import Placement
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,7 +24,7 @@ from .bench.proc import free_port, stop_group
 from .config import vllm_rank
 
 if TYPE_CHECKING:
-    from .learner.served_base import Recipe
+    from .base_recipe import Recipe
 
 SHUTDOWN_GRACE_S = 30.0  # how long the server gets to stop before it is killed
 

@@ -105,7 +105,8 @@ def test_the_generators_base_is_the_learners_dequantised_weights(request, bases,
     quantised learner's logprobs."""
     import bitsandbytes as bnb
 
-    from lora_async.learner.served_base import Recipe, served_base
+    from lora_async.base_recipe import Recipe
+    from lora_async.learner.served_base import served_base
 
     tiny_model = request.getfixturevalue(model)
     served_dir = served_base(tiny_model, Recipe(quantization, "float32", "cpu"))
@@ -141,11 +142,13 @@ def test_the_generators_base_is_the_learners_dequantised_weights(request, bases,
 
 def test_the_cache_is_rebuilt_when_the_checkpoint_or_the_quantisation_changes(tiny_model, bases, tmp_path):
     import json
+    import pickle
     import shutil
 
     from safetensors.torch import save_file
 
-    from lora_async.learner.served_base import Recipe, served_base
+    from lora_async.base_recipe import Recipe
+    from lora_async.learner.served_base import BaseBuilder, served_base
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
@@ -153,6 +156,8 @@ def test_the_cache_is_rebuilt_when_the_checkpoint_or_the_quantisation_changes(ti
     first = served_base(model, nf4)
     built = (first / ".complete").stat().st_mtime_ns
     assert served_base(model, nf4) == first and (first / ".complete").stat().st_mtime_ns == built  # cached
+    # What a Ray replica on another node is handed (pickled) finds the same entry there.
+    assert pickle.loads(pickle.dumps(BaseBuilder(nf4)))(model) == first
     int8 = served_base(model, Recipe("int8", "float32", "cpu"))
     bf16 = served_base(model, Recipe("nf4", "bfloat16", "cpu"))
     assert len({first, int8, bf16}) == 3 and all(p.is_dir() for p in (first, int8, bf16))
@@ -188,8 +193,9 @@ def test_a_full_disk_or_a_killed_build_loses_nothing(tiny_model, bases, monkeypa
     import shutil
     from collections import namedtuple
 
+    from lora_async.base_recipe import Recipe
     from lora_async.learner import served_base as module
-    from lora_async.learner.served_base import Recipe, ServedBaseError, served_base
+    from lora_async.learner.served_base import ServedBaseError, served_base
 
     recipe = Recipe("nf4", "float32", "cpu")
     usage = namedtuple("usage", "total used free")
@@ -218,8 +224,9 @@ def test_vllm_serves_what_an_nf4_learner_computes(tiny_model, bases, engine_leas
     quantisation gap."""
     import dataclasses
 
+    from lora_async.base_recipe import Recipe
     from lora_async.generator.types import GenRequest
-    from lora_async.learner.served_base import Recipe, served_base
+    from lora_async.learner.served_base import served_base
 
     from .conftest import shared_spec
 
@@ -285,9 +292,9 @@ class _Served:
 def test_a_server_run_checks_its_servers_serve_the_learners_base(tmp_path):
     """generator.type = "server" cannot build the base for the servers: it checks that each one
     serves the entry the run would build (by its content-hash name), or says how to start it."""
+    from lora_async.base_recipe import Recipe
     from lora_async.generator.server import ServerGenerator
     from lora_async.generator.server.client import ServerError
-    from lora_async.learner.served_base import Recipe
 
     expected = tmp_path / "bases" / "tiny-nf4-float32-cpu-0123456789abcdef"
     command = Recipe("nf4", "float32", "cpu").server_command("my-model")
@@ -306,11 +313,12 @@ def test_a_server_run_checks_its_servers_serve_the_learners_base(tmp_path):
 def test_the_generator_factory_checks_a_server_runs_base_and_closes_it_on_a_mismatch(tmp_path, monkeypatch):
     """With a base the run builds (a recipe), `make_generator` checks the servers serve it (and
     closes what it opened if they do not); without one, nothing is checked."""
+    from lora_async.base_recipe import Recipe
     from lora_async.config import TrainConfig
     from lora_async.generator import make_generator
     from lora_async.generator.server import ServerGenerator
     from lora_async.generator.server.client import ServerError
-    from lora_async.learner.served_base import Recipe
+    from lora_async.learner.served_base import BaseBuilder
 
     expected = tmp_path / "bases" / "tiny-nf4-float32-cpu-0123456789abcdef"
     opened, closed = [], []
@@ -323,7 +331,7 @@ def test_the_generator_factory_checks_a_server_runs_base_and_closes_it_on_a_mism
     monkeypatch.setattr(ServerGenerator, "close", lambda self: closed.append(self))
     config = TrainConfig.model_validate({"generator": {"type": "server", "urls": ["http://a:1"]}})
     with pytest.raises(ServerError, match="http://a:1 serves /models/tiny"):
-        make_generator(config, expected, None, Recipe("nf4", "float32", "cpu"))  # a server run places no engine
+        make_generator(config, expected, None, BaseBuilder(Recipe("nf4", "float32", "cpu")))  # no engine placed
     assert len(opened) == 1 and closed == opened
     assert isinstance(make_generator(config, expected, None, None), ServerGenerator)
     assert len(closed) == 1

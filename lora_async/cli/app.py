@@ -199,7 +199,7 @@ def training_server(
 
     recipe = None
     if quantization != "none":
-        from ..learner.served_base import Recipe
+        from ..base_recipe import Recipe
 
         if quantization not in ("nf4", "int8") or learner_dtype not in ("float32", "bfloat16") \
                 or learner_device not in ("cpu", "cuda"):

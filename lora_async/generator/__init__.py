@@ -15,15 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from .receivers import EngineReceiver, ReplicaReceiver, ServerReceiver
-from .types import (Delivery, GenRequest, GenResult, Generator, GeneratorDead, GeneratorStats, GenStatus, PublishStats,
-                    Sample, generate_async)
+from .types import (Delivery, GenRequest, GenResult, Generator, GeneratorDead, GeneratorStats, GenStatus, LearnerBase,
+                    PublishStats, Sample, generate_async)
 
 __all__ = ["Delivery", "GenRequest", "GenResult", "Generator", "GeneratorDead", "GeneratorStats", "GenStatus",
-           "PublishStats", "RunGenerator", "Sample", "generate_async", "make_generator"]
+           "LearnerBase", "PublishStats", "RunGenerator", "Sample", "generate_async", "make_generator"]
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
-    from ..learner.served_base import Recipe
     from ..placement import Placement
 
 # What `make_generator` builds: a generator whose receiver is one engine home's (the config pairs
@@ -32,10 +31,12 @@ RunGenerator = Union[Generator[EngineReceiver], Generator[ServerReceiver], Gener
 
 
 def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement",
-                   recipe: "Recipe | None" = None) -> RunGenerator:
+                   base: LearnerBase | None = None) -> RunGenerator:
     """The generator `[generator]` names: an engine of our own ("vllm"), remote servers ("server"),
-    or engine replicas on Ray ("ray"), serving `model_dir` (the learner's dequantised base, built
-    by `recipe`, when the run serves it; servers cannot build it, so they are checked to serve it)."""
+    or engine replicas on Ray ("ray"), serving `model_dir`. `base`: when the run serves the
+    learner's dequantised base, its recipe and what builds it (`types.LearnerBase`): a Ray replica
+    on a node without `model_dir` builds it there; servers cannot build it, so they are checked to
+    serve it."""
     from ..config import RayGeneratorConfig, ServerGeneratorConfig, VllmGeneratorConfig
 
     gen = config.generator
@@ -47,10 +48,10 @@ def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement
         case ServerGeneratorConfig():
             from .server import ServerGenerator
 
-            base_command = None if recipe is None else recipe.server_command(config.model.name)
+            base_command = None if base is None else base.recipe.server_command(config.model.name)
             return ServerGenerator.from_config(config, gen, model_dir, base_command)
         case RayGeneratorConfig():
             from .ray.generator import RayGenerator
 
-            return RayGenerator.from_config(config, gen, model_dir, recipe)
+            return RayGenerator.from_config(config, gen, model_dir, base)
     raise TypeError(f"no generator for {type(gen).__name__}")

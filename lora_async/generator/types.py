@@ -17,10 +17,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from ..adapter_version import AdapterVersion
+    from ..base_recipe import Recipe
 
 R_contra = TypeVar("R_contra", contravariant=True)  # a delivery loads into any receiver that offers what it calls
 R_co = TypeVar("R_co", covariant=True)  # a generator whose receiver offers more is a generator of less
@@ -203,6 +205,17 @@ class Generator(Protocol[R_co]):
         """Versions of `adapter` registered right now."""
 
     def close(self) -> None: ...
+
+
+class LearnerBase(Protocol):
+    """The learner's dequantised base, for a run that serves it (`learner.served_base.BaseBuilder`):
+    its recipe, and what builds it from the checkpoint on whichever node calls it (a Ray replica
+    on a node without the learner's copy). A generator is handed it, and imports no learner."""
+
+    @property
+    def recipe(self) -> Recipe: ...
+
+    def __call__(self, model_dir: Path) -> Path: ...
 
 
 def hand_back(on_done: Callable[[GenResult], None], result: GenResult) -> None:

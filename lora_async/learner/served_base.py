@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import blake3
 import torch
 
+from ..base_recipe import Recipe
 from ..dtypes import resolve_dtype, torch_dtype
 from ..files import replaced_dir, write_text_atomic
 from ..models import ModelError, cache_dir
@@ -49,23 +50,6 @@ RECORD = "generator_base.json"  # in a run's output directory: the base its gene
 
 class ServedBaseError(ModelError):
     """The learner's base cannot be built for the generator (one line; the CLI's exit code 1)."""
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How the learner holds its base: what the generator's copy is built from."""
-
-    quantization: str  # "nf4" | "int8"
-    dtype: str  # the learner's compute dtype, which the copy is written in
-    device: str  # "cpu" | "cuda": where the learner quantises
-
-    def describe(self) -> str:
-        return f"the learner's {self.quantization} base, dequantised to {self.dtype}"
-
-    def server_command(self, model: str) -> str:
-        """`lora-async server` serving this base, for a run with `generator.type = "server"`."""
-        return (f"lora-async server {model} --quantization {self.quantization} --learner-dtype {self.dtype} "
-                f"--learner-device {self.device}")
 
 
 def recipe_for(config: "TrainConfig", learner_device: str) -> Recipe | None:
@@ -170,6 +154,21 @@ def served_base(model_dir: Path, recipe: Recipe, console: "Console | None" = Non
             console.print(f"  built in {time.perf_counter() - began:.1f} s")
         _remove_superseded(root, entry, str(model_dir), recipe)
     return entry
+
+
+@dataclass(frozen=True)
+class BaseBuilder:
+    """Builds `recipe`'s copy of a checkpoint on whichever machine calls it, quietly: what a
+    generator replica on a node without the learner's copy runs (`generator.ray`). Picklable,
+    so it travels there; the generator takes it as a `generator.types.LearnerBase`, without
+    importing the learner."""
+
+    recipe: Recipe
+
+    def __call__(self, model_dir: Path) -> Path:
+        from rich.console import Console
+
+        return served_base(model_dir, self.recipe, Console(quiet=True))
 
 
 def _check_entry(entry: Path, memo: dict[str, list]) -> str | None:

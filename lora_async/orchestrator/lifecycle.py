@@ -93,8 +93,11 @@ class LocalParts:
 
     def generator(self) -> RunGenerator:
         from ..generator import make_generator
+        from ..learner.served_base import BaseBuilder
 
-        return make_generator(self.config, self.base_dir, self.generator_placement, self.base_recipe)
+        recipe = self.base_recipe
+        return make_generator(self.config, self.base_dir, self.generator_placement,
+                              None if recipe is None else BaseBuilder(recipe))
 
     def transport(self, generator: RunGenerator) -> Transport:
         from ..sync.factory import make_transport

@@ -50,7 +50,6 @@ from .versions import ReplicaVersions
 
 if TYPE_CHECKING:
     from ...config import RayGeneratorConfig, TrainConfig
-    from ...learner.served_base import Recipe
 
 T = TypeVar("T")
 
@@ -71,7 +70,7 @@ class RayGenerator(ReplicaVersions):
                  namespace: str = "lora-async", object_store_gb: float | None = None, device: str = "auto",
                  cpus_per_replica: int = 1, placement: str = "PACK", max_restarts: int = 3,
                  down_timeout_s: float = 180.0, start_timeout_s: float = 900.0, register_timeout_s: float = 120.0,
-                 recipe: "Recipe | None" = None) -> None:
+                 build_base: Callable[[Path], Path] | None = None) -> None:
         # Each replica keeps one version more than the window: see the module docstring.
         self.spec = dataclasses.replace(spec, window=spec.window.widened())
         self.down_timeout_s, self.start_timeout_s = down_timeout_s, start_timeout_s
@@ -95,7 +94,7 @@ class RayGenerator(ReplicaVersions):
         self.replicas: list[ReplicaState] = []
         try:
             self.replicas = [ReplicaState(i, ray_cluster.create_replica(self.cluster, Replica, i, max_restarts,
-                                                                        self.spec, model_name, i, recipe), None)
+                                                                        self.spec, model_name, i, build_base), None)
                              for i in range(replicas)]
             self._on_loop(self._start_all()).result(timeout=start_timeout_s + 60)
         except BaseException:
@@ -105,7 +104,7 @@ class RayGenerator(ReplicaVersions):
 
     @classmethod
     def from_config(cls, config: TrainConfig, gen: RayGeneratorConfig, model_dir: Path,
-                    recipe: "Recipe | None" = None) -> "RayGenerator":
+                    build_base: Callable[[Path], Path] | None = None) -> "RayGenerator":
         """The replicas a run's `[generator]` (type "ray", `gen`) and `[ray]` describe."""
         from ...placement import cuda_available
 
@@ -121,7 +120,7 @@ class RayGenerator(ReplicaVersions):
                    device=gen.device, cpus_per_replica=gen.cpus_per_replica,
                    placement=gen.placement, max_restarts=gen.max_restarts,
                    down_timeout_s=gen.down_timeout_s, start_timeout_s=gen.start_timeout_s,
-                   register_timeout_s=getattr(config.sync_config, "timeout_s", 120.0), recipe=recipe)
+                   register_timeout_s=getattr(config.sync_config, "timeout_s", 120.0), build_base=build_base)
 
     # ------------------------------------------------------------------ the Generator protocol
     @property

@@ -28,7 +28,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from ...handoff import PackMeta
 from ..spec import EngineSpec
@@ -37,18 +37,18 @@ from ..types import Delivery, GenRequest, GenResult, GeneratorDead, GenStatus, P
 if TYPE_CHECKING:
     from ..engine import VllmGenerator
     from ..vllm.client import EngineClient
-    from ...learner.served_base import Recipe
 
 log = logging.getLogger(__name__)
 
 
 class Replica:
-    def __init__(self, spec: EngineSpec, model_name: str, index: int, recipe: "Recipe | None" = None) -> None:
+    def __init__(self, spec: EngineSpec, model_name: str, index: int,
+                 build_base: Callable[[Path], Path] | None = None) -> None:
         from ...quiet import quiet_start
 
         quiet_start(spec.engine_log)  # before vLLM is imported here: the CLI's quiet start, in this process
         self.spec, self.model_name, self.index = spec, model_name, index
-        self.recipe = recipe  # the learner's quantised base, when the run serves it (`learner.served_base`)
+        self.build_base = build_base  # when the run serves the learner's dequantised base: what builds it
         self.incarnation = uuid.uuid4().hex  # a new one each time Ray (re)starts this actor
         self.generator: VllmGenerator | None = None
         self.started_s: float | None = None
@@ -74,12 +74,9 @@ class Replica:
 
             from ...models import resolve_model
 
-            quiet = Console(quiet=True)
-            model_dir = Path(resolve_model(self.model_name, quiet))
-            if self.recipe is not None:  # the learner's dequantised base, built here as the learner's node did
-                from ...learner.served_base import served_base
-
-                model_dir = served_base(model_dir, self.recipe, quiet)
+            model_dir = Path(resolve_model(self.model_name, Console(quiet=True)))
+            if self.build_base is not None:  # the learner's dequantised base, built here as the learner's node did
+                model_dir = self.build_base(model_dir)
             spec = dataclasses.replace(spec, model_dir=model_dir)
         on_gpu = bool(os.environ.get("CUDA_VISIBLE_DEVICES")) and torch.cuda.is_available()
         if on_gpu:
