@@ -107,7 +107,7 @@ def one_kernel_path(base: torch.nn.Module) -> None:
     then on every call takes it. An int8 layer in eval mode quantises its inputs to int8 as
     well. The learner's layers are in eval mode (no dropout), and its first layers' inputs need
     no grad. Without this, one learner computed with two kernels, and no served copy of its
-    weights could match it. With it, `served_base.learner_weights` reads off exactly the
+    weights could match it. With it, `base_weights.learner_weights` reads off exactly the
     weights the learner multiplies by. Call it again after anything sets the model's mode."""
     import bitsandbytes as bnb
 

@@ -5,16 +5,17 @@ weights. A generator serving the original checkpoint samples from another model:
 token apart on the 135M model, a third of the tokens outside PPO's clip range
 (bench/RESULTS.md §8). So by default (`generator.base = "learner"`) the generator serves a
 checkpoint of the weights the learner's quantised layers multiply by, read off the layers
-themselves (`learner_weights`) at the learner's compute dtype; every other tensor (embeddings,
+themselves at the learner's compute dtype (`base_weights`); every other tensor (embeddings,
 norms, LM head) is the learner's own copy. Both halves then start from the same numbers, and
 what is left between them is kernels and dtype, as in an unquantised run (§19).
 
-An entry is built once per (checkpoint content, quantisation, compute dtype, device type,
-bitsandbytes version) under `<cache>/bases/`, beside the embedded model. A changed checkpoint or
-quantisation is another entry (built, and the one it supersedes removed); an entry whose files
-no longer match the content hashes recorded when it was built is rebuilt. Building loads the
-quantised base the way the learner does, on the learner's device type (bitsandbytes' CPU and
-CUDA kernels need not round alike), then writes it one tensor at a time.
+This module is the cache of those copies. An entry is built once per (checkpoint content,
+quantisation, compute dtype, device type, bitsandbytes version) under `<cache>/bases/`, beside
+the embedded model, by one builder at a time across processes (a file lock). A changed
+checkpoint or quantisation is another entry (built, and the one it supersedes removed); an
+entry whose files no longer match the content hashes recorded when it was built is rebuilt.
+Building loads the quantised base the way the learner does (`base_weights.quantised_base`),
+then writes its weights in safetensors shards one tensor at a time (`write_shards`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ..base_recipe import Recipe
 from ..dtypes import resolve_dtype, torch_dtype
 from ..files import replaced_dir, write_text_atomic
 from ..models import ModelError, cache_dir
-from .frozen_base import load_base, quiet_int8_casts
+from .base_weights import copy_bytes, learner_weights, quantised_base
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -204,16 +205,14 @@ def export_base(model_dir: Path, recipe: Recipe, entry: Path, identity: dict[str
     check times it alone."""
     memo = {} if memo is None else memo
     try:
-        if recipe.quantization == "int8":
-            quiet_int8_casts()
-        base = load_base(model_dir, recipe.dtype, recipe.quantization, torch.device(recipe.device))
+        base = quantised_base(model_dir, recipe)
     except Exception as exc:
         from ..errors import error_line
 
         raise ServedBaseError(f"could not load {model_dir} as the learner does ({recipe.quantization}) to build "
                               f"the generator's base: {error_line(exc)}") from exc
     compute = torch_dtype(recipe.dtype)
-    _check_disk(entry.parent, _copy_bytes(base, compute))
+    _check_disk(entry.parent, copy_bytes(base, compute))
     with _one_line_os_errors(entry), replaced_dir(entry) as tmp:
         weights = write_shards(tmp, learner_weights(base, compute))
         del base
@@ -249,60 +248,6 @@ def _one_line_os_errors(entry: Path) -> Iterator[None]:
         yield
     except OSError as exc:
         raise ServedBaseError(f"could not write the generator's base to {entry}: {exc.strerror or exc}") from exc
-
-
-def _quantised_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    import bitsandbytes as bnb
-
-    return {name: module for name, module in model.named_modules()
-            if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
-
-
-def _copy_bytes(model: torch.nn.Module, compute: torch.dtype) -> int:
-    """What `learner_weights` will write: a quantised layer's weight at `compute`, the rest as held."""
-    layers = _quantised_layers(model)
-    total = 0
-    for name, param in model.named_parameters():
-        layer = layers.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
-        if layer is None:
-            total += param.numel() * param.element_size()
-        else:
-            shape = int(layer.in_features) * int(layer.out_features)  # type: ignore[arg-type]
-            total += shape * torch.empty((), dtype=compute).element_size()
-    return total
-
-
-def learner_weights(model: torch.nn.Module, compute: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter of a base loaded by `load_base`, as the learner computes with it, on the
-    CPU. A bitsandbytes layer's weight is read off the layer itself: its output for the rows of
-    an identity matrix, with its bias set aside, is the transposed weight it multiplies by.
-    Each output element is 1 x w plus zeros, so this is exact, and it holds for
-    whichever kernel the layer runs (`frozen_base.one_kernel_path`), on any device, without
-    relying on how bitsandbytes lays out its packed weights. Any other parameter is taken as it
-    is; tied parameters come once."""
-    layers = _quantised_layers(model)
-    for name, param in model.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        layer = layers.get(owner) if leaf == "weight" else None
-        value = param.data if layer is None else _read_weight(layer, compute)
-        yield name, value.detach().to("cpu", copy=True).contiguous()
-
-
-@torch.no_grad()
-def _read_weight(layer: torch.nn.Module, compute: torch.dtype, rows: int = 2048) -> torch.Tensor:
-    """`layer`'s effective weight, [out_features, in_features], `rows` identity rows at a time."""
-    n_in = int(layer.in_features)  # type: ignore[arg-type]
-    device = next(layer.parameters()).device
-    bias, layer.bias = layer.bias, None  # type: ignore[assignment]  # (w + b) - b need not round back to w
-    try:
-        parts = []
-        for start in range(0, n_in, rows):
-            eye = torch.zeros(min(rows, n_in - start), n_in, dtype=compute, device=device)
-            eye[:, start:start + eye.shape[0]].fill_diagonal_(1)
-            parts.append(layer(eye).to(compute))
-    finally:
-        layer.bias = bias
-    return torch.cat(parts).t().contiguous()
 
 
 def write_shards(out: Path, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
