@@ -29,7 +29,8 @@ from ..config import TrainConfig
 from ..generator.engine import VllmGenerator
 from ..generator.receivers import EngineReceiver
 from ..generator.types import Delivery, GenRequest, GenResult, GeneratorStats, PublishStats
-from ..learner.learner import Learner, StepStats
+from ..learner.learner import Learner
+from ..learner.step import StepStats
 from ..orchestrator.lifecycle import LocalParts
 from ..sync.transports import Transport
 

@@ -12,6 +12,7 @@
 | `heap.py` | after a CPU step, glibc's freed heap handed back to the kernel |
 """
 
-from .learner import Accumulated, Learner, StepStats, Update, step_stats
+from .learner import Learner
+from .step import Accumulated, StepStats, Update, step_stats
 
 __all__ = ["Accumulated", "Learner", "StepStats", "Update", "step_stats"]

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 
     from ..adapter_version import AdapterVersion
     from ..buffer import TrainSample
-    from .learner import StepStats
+    from .step import StepStats
 
 
 class LearnerAPI(Protocol):

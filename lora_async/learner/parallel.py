@@ -43,9 +43,9 @@ from ..buffer import TrainSample
 from ..config import LearnerConfig, LoraConfig, LossConfig
 from ..placement import Placement
 from ..process_groups import make_store
-from .learner import Accumulated, StepStats, lr_scale, step_stats
 from .packing import plan_step, unit_tokens
 from .ranks import HOST, LearnerArgs, Rendezvous, all_reduce_step, broadcast_weights, dumps, loads, rank_main
+from .step import Accumulated, StepStats, lr_scale, step_stats
 
 POLL_S = 0.2  # how often rank 0 checks that a rank it waits for is still alive
 CLOSE_S = 10.0  # a rank asked to close exits at once; one that does not is killed after this

@@ -21,7 +21,8 @@ from ..buffer import TrainSample
 from ..config import LearnerConfig, LoraConfig, LossConfig
 from ..placement import Placement, pin_current_thread
 from ..process_groups import broadcast, make_group, make_store
-from .learner import Learner, Update
+from .learner import Learner
+from .step import Update
 
 HOST = "127.0.0.1"  # every rank runs on this machine
 
