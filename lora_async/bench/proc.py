@@ -1,7 +1,7 @@
 """Processes and runs for the benchmarks: loopback ports, process groups, the peak RSS of process
 trees, child runs logged to a file, and the one summary of a run's `metrics.jsonl`.
 
-`lora-async bench e2e`, `lora-async bench fleet`, `lora-async serve`'s test helper and the peer
+`lora-async bench e2e` and `fleet`, the tests' training server (`server.py`) and the peer
 benchmark (bench/peers/) all start children here the same way: in their own session (so one
 signal reaches a child's whole tree, a vLLM engine core included) with their output in a log.
 Nothing here imports torch or vLLM.

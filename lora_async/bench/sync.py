@@ -193,9 +193,9 @@ def _with_engine(model_dir: Path, max_rank: int, separate: bool, transports: lis
 def _with_server(model_dir: Path, max_rank: int, adapters: dict[int, AdapterVersion],
                  versions: int, cpus: str | None) -> list[dict[str, Any]]:
     from ..generator.server import ServerClient, ServerGenerator
-    from ..serve import training_server
     from ..staleness import StalenessWindow
     from ..sync.http import HttpTransport
+    from .server import training_server
 
     rows = []
     with training_server(model_dir, max_rank, max_loras=4, max_model_len=512, cpus=cpus) as url, \
