@@ -1,6 +1,7 @@
 """The generator-to-transport seam without an engine: senders typed against a receiver, a fake
 receiver that uses the real receiving halves (`handoff.receive`), and the layering rule that
-keeps `generator/` and `handoff/` free of `sync/`."""
+keeps `generator/` and `handoff/` free of `sync/` (and the learner and the generator free of
+each other)."""
 
 from __future__ import annotations
 
@@ -172,3 +173,24 @@ def test_the_handoff_sits_below_both_sides(layer, below):
                        for name in _imports(path) if name.startswith(below))
     assert offenders == []
     assert "lora_async.handoff.packed" in _imports(PACKAGE / "sync" / "pack.py")  # the scan sees relative imports
+
+
+SIDES = ("lora_async.learner", "lora_async.generator", "lora_async.sync", "lora_async.handoff",
+         "lora_async.orchestrator")
+
+
+@pytest.mark.parametrize("layer, above", [("learner", ("lora_async.generator", "lora_async.orchestrator")),
+                                          ("generator", ("lora_async.learner",)),
+                                          ("bench", ("lora_async.serve",)),
+                                          ("adapter_version.py", SIDES),
+                                          ("base_recipe.py", SIDES)])
+def test_what_both_sides_share_sits_below_them(layer, above):
+    """The learner and the generator import nothing of each other (an adapter version, its
+    served name and the base's recipe sit below both), the learner nothing of the orchestrator,
+    and the benchmarks nothing of `serve`."""
+    root = PACKAGE / layer
+    files = [root] if root.suffix == ".py" else sorted(root.rglob("*.py"))
+    offenders = sorted(f"{path.relative_to(PACKAGE)}: {name}" for path in files for name in _imports(path)
+                       if any(name == module or name.startswith(module + ".") for module in above))
+    assert files and offenders == []
+    assert "lora_async.adapter_version.AdapterVersion" in _imports(PACKAGE / "learner" / "learner.py")

@@ -3,10 +3,15 @@
 `types` is the contract (`Generator` protocol, requests, typed results, deliveries);
 `receivers` what a delivery loads a version into, one protocol per engine home;
 `engine.VllmGenerator` owns an in-process vLLM engine; `server.ServerGenerator` drives remote
-`vllm serve` replicas; `ray.generator.RayGenerator` runs engine replicas as Ray actors;
-`registry` (the version bookkeeping and the one register routine), `spec` and `validate` are
-what they share; `vllm/` is the one place that touches vLLM itself. Nothing here imports
-`sync/` (the senders): what both sides share is in `handoff/`.
+`vllm serve` replicas (`server.command`: the command line they are started with);
+`ray.generator.RayGenerator` runs engine replicas as Ray actors; `registry` (the version
+bookkeeping and the one register routine), `spec` and `validate` are what they share; `vllm/`
+is the one place that touches vLLM itself.
+
+Nothing here imports `sync/` (the senders): what both sides share is in `handoff/`. Nor the
+learner: an adapter version and the name it is served under are `lora_async.adapter_version`'s,
+and a generator that serves the learner's dequantised base is handed its recipe and what builds
+it (`make_generator`'s `base`, a `types.LearnerBase`), which a Ray replica on another node runs.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ object, a CUDA IPC handle or a broadcast, each ending with tensors the receiver 
 
 Why a package of its own, below both `sync/` (the senders) and `generator/` (vLLM's worker and
 the Ray replicas receive): the format is the one thing the two sides share, so it imports
-neither of them (torch, `dtypes` and `process_groups` only) and neither imports the other
-through it.
+neither of them (torch, `dtypes`, `process_groups` and `adapter_version` only) and neither
+imports the other through it. What a version is and the name it is served under
+(`adapter_version.served_name`) sit one level lower still, shared with the learner.
 """
 
 from .packed import PackedAdapter, PackError, PackMeta, TensorMeta
