@@ -1,4 +1,4 @@
-"""The README's table of memory plans: 8B and 14B models on one and two hypothetical 24 GB GPUs.
+"""The table of memory plans in docs/memory-plan.md: 8B and 14B models on one and two hypothetical 24 GB GPUs.
 
     .venv/bin/python bench/plan_table.py        # a markdown table on stdout
 

@@ -93,22 +93,6 @@ def exit_code(exc: BaseException) -> int | None:
         return 2
     if isinstance(exc, RunError):
         return 1
-    return _unclassed_exit_code(exc)
-
-
-def _unclassed_exit_code(exc: BaseException) -> int | None:
-    """The errors of `generator/` and `envs/` that do not subclass `UserError` or `RunError` yet:
-    each is one base class away, and then this goes."""
-    from .envs.source import EnvLoadError
-    from .generator.ray.cluster import RayError
-    from .generator.server.client import ServerError
-    from .generator.types import GeneratorDead
-    from .generator.vllm.compat import VllmCompatError
-
-    if isinstance(exc, EnvLoadError):
-        return 2
-    if isinstance(exc, (ServerError, GeneratorDead, VllmCompatError, RayError)):
-        return 1
     return None
 
 

@@ -105,7 +105,12 @@ def test_train_runs_the_cli_preflight_before_anything_loads(tmp_path: Path) -> N
 
 
 def test_exit_codes_match_the_cli() -> None:
+    from lora_async.envs.source import EnvLoadError
     from lora_async.errors import RunError, UserError
+    from lora_async.generator.ray.cluster import RayError
+    from lora_async.generator.server.client import ServerError
+    from lora_async.generator.types import GeneratorDead
+    from lora_async.generator.vllm.release import VllmCompatError
     from lora_async.lag_cost import LagCostError
     from lora_async.models import ModelError
     from lora_async.placement import PlacementError
@@ -113,10 +118,11 @@ def test_exit_codes_match_the_cli() -> None:
     from lora_async.sync.transports import TransportError
     from lora_async.tasks import RewardError, TaskDataError
 
-    user_errors = (ConfigError, PreflightError, PlanRefused, TaskDataError, RewardError, LagCostError, PlacementError)
+    user_errors = (ConfigError, PreflightError, PlanRefused, TaskDataError, RewardError, LagCostError, PlacementError,
+                   EnvLoadError)
     for error in user_errors:  # bad input a user can fix
         assert issubclass(error, UserError) and exit_code(error("x")) == 2, error
-    for error in (TrainingError, ModelError, TransportError):  # a run that failed
+    for error in (TrainingError, ModelError, TransportError, GeneratorDead, ServerError, VllmCompatError, RayError):  # a run that failed
         assert issubclass(error, RunError) and exit_code(error("x")) == 1, error
     assert exit_code(KeyboardInterrupt()) == 130
     assert exit_code(RuntimeError("a bug")) is None  # shown with its traceback

