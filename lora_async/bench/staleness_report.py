@@ -9,13 +9,23 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Hashable, Protocol, Sequence
 
 from ..lag_figures import BUCKET_NAMES
 from ..metrics import read_metrics
 
-if TYPE_CHECKING:
-    from .staleness import Arm
+
+class Arm(Hashable, Protocol):
+    """What the report reads of one run (`staleness.Arm`): its loss, lag, seed and name."""
+
+    @property
+    def loss(self) -> str: ...
+    @property
+    def lag(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def name(self) -> str: ...
 
 COLLAPSE_DROP = 0.2  # an eval this far below the arm's best so far is a collapse
 
@@ -80,7 +90,7 @@ def spread(values: list[float | None]) -> dict[str, Any]:
             "reached": f"{len(reached)}/{len(values)}"}
 
 
-def report(arms: list[Arm], run_dirs: list[Path], target: float) -> dict[str, Any]:
+def report(arms: Sequence[Arm], run_dirs: list[Path], target: float) -> dict[str, Any]:
     figures = {arm: arm_figures(d, target) for arm, d in zip(arms, run_dirs)}
     losses = list(dict.fromkeys(a.loss for a in arms))
     lags = sorted({a.lag for a in arms})

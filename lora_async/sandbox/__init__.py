@@ -1,8 +1,9 @@
 """Model-written Python, run where it can do no harm: `run_python(code, tests=..., limits=...)`.
 
     limits.py      SandboxLimits (what a run may use), SandboxResult (how it ended), TestReport
-    runner.py      run_python: a fresh interpreter per run, under namespaces or as a plain process
-    namespaces.py  the bwrap cage (user, PID, net, IPC, UTS, cgroup namespaces), probed once
+    runner.py      run_python: a fresh interpreter per run, under namespaces or as a plain process;
+                   cage(): the cage, probed once with a no-op
+    namespaces.py  the bwrap cage's layout (user, PID, net, IPC, UTS, cgroup namespaces)
     prelude.py     the interpreter's first code: the rlimits, the audit hook, the tests' harness
 
 Tools that run model-written code say so with `@sandboxed`: a run whose tools are marked (or
@@ -15,8 +16,8 @@ from __future__ import annotations
 from typing import Any, Callable, TypeVar
 
 from .limits import CUT_MARKER, KB, MB, SandboxLimits, SandboxResult, TestReport
-from .namespaces import SETTING, Cage, SandboxUnavailable, cage
-from .runner import ISOLATION_ENV, ISOLATIONS, Isolation, InvalidTests, resolve_isolation, run_python
+from .namespaces import SETTING, Cage, SandboxUnavailable
+from .runner import ISOLATION_ENV, ISOLATIONS, Isolation, InvalidTests, cage, resolve_isolation, run_python
 
 F = TypeVar("F", bound=Callable[..., Any])
 MARK = "__lora_async_sandboxed__"

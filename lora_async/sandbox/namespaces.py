@@ -12,8 +12,8 @@ No `$HOME`, no `/tmp`, no `/etc`, no output directory, no cache. The environment
 (`--clearenv`), the process is in a session of its own (`--new-session`), and it dies with its
 parent (`--die-with-parent`). The network namespace has only its own loopback.
 
-`cage()` finds bwrap and lays this out once per process, and probes it with one run of a
-no-op; where namespaces are refused it raises `SandboxUnavailable` with bwrap's reason, every
+`located()` finds bwrap and lays this out once per process; `runner.cage()` probes it with one
+run of a no-op; where namespaces are refused it raises `SandboxUnavailable` with bwrap's reason, every
 time it is asked (the runner never falls back to the weaker `process` isolation).
 """
 
@@ -79,14 +79,6 @@ class Cage:
                 f"no network, read-only interpreter and system libraries, /work on a tmpfs)")
 
 
-def cage() -> Cage:
-    """This process's cage, probed once; raises `SandboxUnavailable` where it cannot work."""
-    found = _probed()
-    if isinstance(found, str):
-        raise SandboxUnavailable(found)
-    return found
-
-
 def unavailable(why: str) -> str:
     """The one line a run stops with."""
     return (f"task.sandbox: Linux namespaces are refused here, so model-written code cannot be isolated ({why}). "
@@ -95,8 +87,9 @@ def unavailable(why: str) -> str:
 
 
 @functools.cache
-def _probed() -> Cage | str:
-    """The cage, checked by one run of a no-op; or why there is none (the line to show)."""
+def located() -> Cage | str:
+    """This process's cage, laid out but not yet run (`runner.cage` probes it); or why there is
+    none (the line to show)."""
     if not sys.platform.startswith("linux"):
         return unavailable(f"bubblewrap needs Linux, and this is {sys.platform}")
     try:
@@ -111,17 +104,7 @@ def _probed() -> Cage | str:
                                  check=True).stdout.split()[-1]
     except (OSError, subprocess.SubprocessError, IndexError) as exc:
         return unavailable(f"{bwrap} does not run: {exc}")
-    found = _layout(bwrap, version)
-    from .runner import run_in_cage  # the runner imports this module
-
-    try:
-        result = run_in_cage(found, "pass", SandboxLimits(wall_s=PROBE_TIMEOUT_S))
-    except OSError as exc:
-        return unavailable(f"bwrap could not start: {exc}")
-    if not result.ok:
-        why = (result.stderr.strip().splitlines() or [result.reason or "it failed"])[-1]
-        return unavailable(why)
-    return found
+    return _layout(bwrap, version)
 
 
 def _layout(bwrap: str, version: str) -> Cage:

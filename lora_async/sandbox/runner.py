@@ -26,6 +26,7 @@ Kept free of torch imports: it runs inside tool and reward workers.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any, Literal, Sequence
 
 from .limits import KB, SandboxLimits, SandboxResult, TestReport, cut
-from .namespaces import PRELUDE_FILE, WORK, Cage, cage
+from .namespaces import PRELUDE_FILE, PROBE_TIMEOUT_S, WORK, Cage, SandboxUnavailable, located, unavailable
 from .namespaces import PRELUDE as PRELUDE_INSIDE
 
 Isolation = Literal["namespaces", "process"]
@@ -124,6 +125,30 @@ def _statements(block: str) -> list[str]:
         elif tests and line.strip():
             tests[-1] += "\n" + line
     return tests
+
+
+def cage() -> Cage:
+    """This process's cage, probed once; raises `SandboxUnavailable` where it cannot work."""
+    found = _probed()
+    if isinstance(found, str):
+        raise SandboxUnavailable(found)
+    return found
+
+
+@functools.cache
+def _probed() -> Cage | str:
+    """The cage, checked by one run of a no-op; or why there is none (the line to show)."""
+    found = located()
+    if isinstance(found, str):
+        return found
+    try:
+        result = run_in_cage(found, "pass", SandboxLimits(wall_s=PROBE_TIMEOUT_S))
+    except OSError as exc:
+        return unavailable(f"bwrap could not start: {exc}")
+    if not result.ok:
+        why = (result.stderr.strip().splitlines() or [result.reason or "it failed"])[-1]
+        return unavailable(why)
+    return found
 
 
 def run_in_cage(found: Cage, code: str, limits: SandboxLimits, payload: dict[str, Any] | None = None,
