@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from lora_async.config import TrainConfig
-from lora_async.envs.api import StepResult, ToolResult
+from lora_async.envs.base import StepResult, ToolResult
 from lora_async.envs.episode import Episode, EpisodeSettings
 from lora_async.envs.render import ChatRenderer
 from lora_async.envs.source import EnvLoadError

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_async.envs.api import Reply, ToolCall, ToolResult
+from lora_async.envs.base import Reply, ToolCall, ToolResult
 from lora_async.envs.builtin import calculator, sandbox as env
 from lora_async.sandbox import CUT_MARKER, SandboxLimits, run_python
 from lora_async.envs.tools import ToolBox, parse_tool_calls, tool_schemas

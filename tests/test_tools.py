@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_async.envs.api import ToolCall
+from lora_async.envs.base import ToolCall
 from lora_async.envs.tools import (
     ToolBox, ToolError, fallback_tool_prompt, parse_tool_calls, strip_tool_calls, template_supports_tools,
     tool_schemas,

@@ -9,6 +9,6 @@
     builtin/     environments that ship with lora-async (calculator, guess)
 """
 
-from .api import Env, Message, Reply, StepResult, ToolCall, ToolResult, system, user
+from .base import Env, Message, Reply, StepResult, ToolCall, ToolResult, system, user
 
 __all__ = ["Env", "Message", "Reply", "StepResult", "ToolCall", "ToolResult", "system", "user"]

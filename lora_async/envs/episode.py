@@ -29,7 +29,7 @@ from ..guarded import call_guarded
 from ..outcomes import Outcome
 from ..rollout import Generate, sub_seed
 from ..timing import NO_WAITS, Wait, Waits
-from .api import Message, Reply, StepResult, ToolCall, ToolResult
+from .base import Message, Reply, StepResult, ToolCall, ToolResult
 from .render import ChatRenderer
 from .tools import ToolBox, parse_tool_calls, strip_tool_calls
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .api import Message
+from .base import Message
 
 ANCHOR = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "PONG"}]
 REPLY_MARK = "PONG"  # the anchor reply: what follows it in the rendering ends an assistant message

@@ -30,7 +30,7 @@ from ..config import auto_workers
 from ..rewards import Batch, Rewards, make_rewards
 from ..sandbox import describe as describe_isolation, is_sandboxed
 from ..timing import NO_WAITS, Waits
-from .api import Split, check_env
+from .base import Split, check_env
 from .episode import Episode, EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, call_env
 from .render import ChatRenderer
 from .tools import SimulatedLatency, ToolBox, ToolError, tool_schemas

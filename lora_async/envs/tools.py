@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..guarded import GuardedError, GuardedPool
-from .api import ToolCall, ToolResult
+from .base import ToolCall, ToolResult
 
 # An unterminated block at the very end is a reply cut by the token limit; it still counts.
 BLOCK_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)

@@ -21,7 +21,7 @@ import hashlib
 import operator
 import random
 
-from ..api import Message, user
+from ..base import Message, user
 from .question import ToolQuestion
 
 LOW, HIGH = 10, 99  # operands: two digits

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import re
 
-from ..api import Env, Message, Reply, StepResult, user
+from ..base import Env, Message, Reply, StepResult, user
 
 LOW, HIGH = 1, 16
 STEP_COST = 0.1  # reward lost per guess after the first

@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..api import Message, user
+from ..base import Message, user
 from .question import ToolQuestion
 from .sandbox import run_python
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..api import Env, Reply, StepResult
+from ..base import Env, Reply, StepResult
 
 
 class ToolQuestion(Env):
