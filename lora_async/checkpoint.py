@@ -22,7 +22,7 @@ import torch
 from .files import replaced_dir, write_text_atomic
 
 if TYPE_CHECKING:
-    from .learner.api import LearnerAPI
+    from .learner.protocol import LearnerAPI
 
 KEEP = 2  # checkpoints kept on disk (the newest and one before it)
 

@@ -2,7 +2,7 @@
 
 | module | holds |
 |---|---|
-| `api.py` | `LearnerAPI`: what the orchestrator and checkpoints need of a learner (no torch import) |
+| `protocol.py` | `LearnerAPI`: what the orchestrator and checkpoints need of a learner (no torch import) |
 | `learner.py` | `Learner`: the base once, one peft adapter and AdamW per adapter, the training step |
 | `step.py` | a step's parts both learners build on: what its micro-batches add up to, its update, its stats |
 | `parallel.py`, `ranks.py` | `ParallelLearner`: data-parallel ranks over `learner.devices` |

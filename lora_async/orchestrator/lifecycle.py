@@ -24,7 +24,7 @@ from ..checkpoint import RunState, checkpoint_auto, latest_checkpoint, load_chec
 from ..config import TrainConfig, dump_config
 from ..errors import TrainingError
 from ..generator import RunGenerator
-from ..learner.api import LearnerAPI
+from ..learner.protocol import LearnerAPI
 from ..metrics import MetricsWriter, summary_table, truncate_metrics, where_the_time_went
 from ..placement import Placement, pin_current_thread
 from ..sync.transports import Transport

@@ -25,7 +25,7 @@ from rich.console import Console
 from ..adapter_version import AdapterVersion
 from ..buffer import Group, RolloutBuffer, TrainSample
 from ..generator.types import GenRequest, GenResult, Generator, GeneratorStats, generate_async
-from ..learner.api import LearnerAPI
+from ..learner.protocol import LearnerAPI
 from ..mode import Choice
 from ..outcomes import EpisodeStats
 from ..rollout import RolloutSource
