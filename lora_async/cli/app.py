@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from ..config import ConfigError
-from .bench import bench_app
+from .bench_commands import bench_app
 from .common import CONFIG_HELP, SET_HELP, fail, load_or_exit, warn
 from .plan import PLAN_HINT, plan_command
 

@@ -194,7 +194,7 @@ def bench_sandbox(
 ) -> None:
     """The namespaced runner's cost beside the process runner: p50/p95 of a print(1) run, and
     calls per second with --concurrency callers at once."""
-    from ..bench.sandbox import run_sandbox_bench
+    from ..bench.sandbox_cost import run_sandbox_bench
     from ..sandbox import SandboxUnavailable
 
     try:
