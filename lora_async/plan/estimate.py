@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .machine import GIB, ITEMSIZE, Layout, Machine, layout, resolve_dtype
+from .machine import BYTES_BY_DTYPE_NAME, GIB, Layout, Machine, layout, planned_dtype
 from .shapes import ALL_LINEAR, ModelShape, NothingToPlan, load_shape
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ def logprob_chunk_bytes(shape: ModelShape, itemsize: int, chunk: int) -> int:
 
 
 def weight_items(config: "TrainConfig", shape: ModelShape, device: str, dtype: str, part: str) -> list[Item]:
-    b, quant = ITEMSIZE[dtype], config.model.quantization
+    b, quant = BYTES_BY_DTYPE_NAME[dtype], config.model.quantization
     if quant == "none":
         params = shape.total_params
         items = [Item(part, f"base weights, {dtype}", params * b, f"{params / 1e9:.2f}B params")]
@@ -154,7 +154,7 @@ def weight_items(config: "TrainConfig", shape: ModelShape, device: str, dtype: s
 def learner_items(config: "TrainConfig", shape: ModelShape, device: str, dtype: str, part: str = "learner",
                   row_tokens: int | None = None) -> list[Item]:
     """Everything one learner rank holds at its peak: the start of backward on a full micro-batch."""
-    learner, b = config.learner, ITEMSIZE[dtype]
+    learner, b = config.learner, BYTES_BY_DTYPE_NAME[dtype]
     tokens = learner.token_budget
     row = row_tokens or min(MAX_ROW_TOKENS, tokens)
     items = weight_items(config, shape, device, dtype, part)
@@ -195,7 +195,7 @@ def generator_items(config: "TrainConfig", gen: "VllmGeneratorConfig", shape: Mo
     """The vLLM engine `gen` (the run's `[generator]`): (items, problems, KV-cache tokens)."""
     from ..generator.spec import DEFAULT_MAX_NUM_SEQS, EngineSpec
 
-    b = ITEMSIZE[dtype]
+    b = BYTES_BY_DTYPE_NAME[dtype]
     part = "generator"
     if gen.quantization == "bitsandbytes":
         weights = int(shape.linear_params * NF4_BYTES) + shape.other_params * b
@@ -262,7 +262,7 @@ def plan_run(config: "TrainConfig", machine: Machine, shape: ModelShape | None =
         return devices[device]
 
     learner_field = "learner.devices" if config.learner.devices else "learner.device"
-    learner_dtype = resolve_dtype(config.learner.dtype, where.learners[0], machine)
+    learner_dtype = planned_dtype(config.learner.dtype, where.learners[0], machine)
     for rank, device in enumerate(where.learners):
         part = "learner" if rank == 0 else f"learner rank {rank}"
         device_plan(device, learner_field).items += learner_items(config, shape, device, learner_dtype, part)
@@ -271,7 +271,7 @@ def plan_run(config: "TrainConfig", machine: Machine, shape: ModelShape | None =
     engine = config.local_engine
     if where.generator is not None and engine is not None:  # an engine here (the layout placed it)
         target = device_plan(where.generator, "generator.device")
-        gen_dtype = resolve_dtype(config.model.dtype, where.generator, machine)
+        gen_dtype = planned_dtype(config.model.dtype, where.generator, machine)
         items, problems, kv_tokens = generator_items(config, engine, shape, where.generator, gen_dtype,
                                                      target.capacity)
         target.items += items
@@ -279,7 +279,7 @@ def plan_run(config: "TrainConfig", machine: Machine, shape: ModelShape | None =
         if device != "cpu":
             devices[device].items.append(Item("framework", f"CUDA context x{processes}", processes * CUDA_CONTEXT,
                                               "one per process"))
-    b = ITEMSIZE[learner_dtype]
+    b = BYTES_BY_DTYPE_NAME[learner_dtype]
     tokens = config.learner.token_budget
     row = min(MAX_ROW_TOKENS, tokens)
     activations = {ckpt: activation_bytes(shape, b, union_targets(config), tokens, row, ckpt == "on")
@@ -315,7 +315,7 @@ def _processes(where: Layout) -> dict[str, int]:
 def learner_total(config: "TrainConfig", device: str, row_tokens: int | None = None) -> int:
     """One learner rank's planned bytes on `device` (for checking the plan against measurement)."""
     shape = load_shape(config.model.name)
-    dtype = resolve_dtype(config.learner.dtype, device, Machine.this())
+    dtype = planned_dtype(config.learner.dtype, device, Machine.this())
     return sum(item.bytes for item in learner_items(config, shape, device, dtype, row_tokens=row_tokens))
 
 

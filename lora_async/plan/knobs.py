@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .estimate import Plan, plan_run
-from .machine import GIB, ITEMSIZE, Machine
+from .machine import BYTES_BY_DTYPE_NAME, GIB, Machine
 from .shapes import ModelShape, PlanUnavailable
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ def generator_candidates(config: "TrainConfig", machine: Machine, shape: ModelSh
                 found.append((f"generator.memory_fraction={fraction:g}",))
     if plan.problems:  # a KV cache too small: room for one full group of full-length sequences
         spec = config.adapter_specs[0].sampling
-        per_token = shape.kv_bytes_per_token(ITEMSIZE[plan.dtypes["generator"]])
+        per_token = shape.kv_bytes_per_token(BYTES_BY_DTYPE_NAME[plan.dtypes["generator"]])
         need = spec.samples_per_prompt * gen.max_model_len * per_token
         found.append((f"generator.kv_cache_gb={math.ceil(need / GIB * 10) / 10:g}",))
     spare = spare_gpu(machine, plan)

@@ -106,7 +106,7 @@ def layout(config: "TrainConfig", gpus: int) -> Layout:
     return Layout(generator, learners, gen is not None and gen.engine_home == "separate")
 
 
-def resolve_dtype(name: str, device: str, machine: Machine) -> str:
+def planned_dtype(name: str, device: str, machine: Machine) -> str:
     """A config dtype made concrete as the run would: 'auto' is bfloat16 where the device computes
     it natively. Hypothetical GPUs are taken to be bf16-capable (Ampere or newer)."""
     if name != "auto":
@@ -115,9 +115,9 @@ def resolve_dtype(name: str, device: str, machine: Machine) -> str:
         return "bfloat16" if cpu_native_bf16() else "float32"
     if machine.hypothetical:
         return "bfloat16"
-    from ..dtypes import resolve_dtype as resolve_on_device  # torch is loaded already for this GPU
+    from ..dtypes import resolve_dtype  # torch is loaded already for this GPU
 
-    return resolve_on_device(name, device)
+    return resolve_dtype(name, device)
 
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+BYTES_BY_DTYPE_NAME = {"float32": 4, "bfloat16": 2, "float16": 2}  # by name: the plan loads no torch (dtypes.ITEMSIZE)
