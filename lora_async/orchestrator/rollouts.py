@@ -79,13 +79,13 @@ async def admitted(run: Run, adapter: AdapterRun) -> None:
             run.buffer.groups(adapter.name), run.learner.version(adapter.name),
             adapter.groups_consumed_per_step(per_step))
 
-    async with run.admission:
+    async with run.producers_wake:
         if not held_back():
             return
         with adapter.waits.waiting(Wait.ADMISSION):
             while held_back():
                 try:
-                    await asyncio.wait_for(run.admission.wait(), ADMISSION_POLL_S)
+                    await asyncio.wait_for(run.producers_wake.wait(), ADMISSION_POLL_S)
                 except asyncio.TimeoutError:
                     pass
 

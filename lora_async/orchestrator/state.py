@@ -152,7 +152,7 @@ class Run:
     started: float = field(default_factory=time.perf_counter)
     phase: Phase = Phase.RUNNING
     error: BaseException | None = None
-    admission: asyncio.Condition = field(default_factory=asyncio.Condition)
+    producers_wake: asyncio.Condition = field(default_factory=asyncio.Condition)  # held-back producers wait (`notify`)
     evals: list[dict] = field(default_factory=list)
     background: set[asyncio.Task] = field(default_factory=set)
     charting: bool = False
@@ -228,8 +228,8 @@ class Run:
 
     async def notify(self) -> None:
         """Wake the producers: admission may have changed."""
-        async with self.admission:
-            self.admission.notify_all()
+        async with self.producers_wake:
+            self.producers_wake.notify_all()
 
     def in_background(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
