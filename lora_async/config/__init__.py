@@ -10,6 +10,7 @@ message is one line naming the dotted field and the file; the CLI prints it and 
     tasks.py     [task] (union on `type`: arithmetic, jsonl, dataset, reasoning-gym, env) and fleet entries
     train.py     TrainConfig: cross-field checks and derived values
     load.py      TOML + overrides -> TrainConfig, migration errors, one-line error messages
+    reference.py the configuration reference (docs/configuration.md), generated from the schema
 """
 
 from .backends import (

@@ -6,7 +6,7 @@
     episode.py   one episode: turns on the newest version, partial rollouts, faults as outcomes
     source.py    a `[task] type = "env"` as a rollout source: the factory loaded by module path and
                  checked at startup; groups of episodes played at once; greedy held-out episodes
-    builtin/     environments that ship with lora-async (calculator, guess)
+    builtin/     environments that ship with lora-async (calculator, sandbox, programs, guess)
 """
 
 from .base import Env, Message, Reply, StepResult, ToolCall, ToolResult, system, user

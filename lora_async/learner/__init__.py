@@ -12,6 +12,7 @@
 | `served_base.py` | the generator's base for a quantised learner: the cache of its dequantised copies |
 | `base_weights.py` | what such a copy holds: the weights the learner's quantised layers multiply by |
 | `heap.py` | after a CPU step, glibc's freed heap handed back to the kernel |
+| `probe.py` | the learner's speed per token on a placement, for an auto run |
 
 Nothing here imports `generator/` or `orchestrator/`: what the learner hands over, an adapter
 version (`lora_async.adapter_version`) and its base's recipe (`lora_async.base_recipe`), sits

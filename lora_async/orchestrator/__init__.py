@@ -11,6 +11,8 @@
 | `rows.py` | the step's metrics line and `summary.json`, each with where the time went (`timing.py`) |
 | `periodic.py` | checkpoints, held-out evals and the chart |
 | `lifecycle.py` | building the parts, resume, signals, teardown |
+| `auto.py` | the mode in force: set at the start, decided by an auto run from what it measures |
+| `auto_state.py` | an auto run's state (the engine's curve, the model, the decisions), checkpointed |
 """
 
 from .lifecycle import LocalParts, Parts, StopSwitch

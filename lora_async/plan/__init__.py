@@ -5,6 +5,7 @@
     estimate.py  the arithmetic: learner, generator and framework items in bytes per device
     knobs.py     the settings that would make a plan that does not fit fit
     report.py    the table, the one-line verdict, and the JSON form
+    gate.py      the check `train` makes first: a plan that cannot fit is refused (`PlanRefused`)
 
 `lora-async plan CONFIG` prints it; `lora-async train` refuses a plan that cannot fit (exit 2)
 unless `--force`. Nothing here imports vLLM, and torch only to ask a real GPU its size.

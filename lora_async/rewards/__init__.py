@@ -1,6 +1,7 @@
 """Rewards: builtin ones by name, and user functions in three forms, run concurrently.
 
     builtin.py     exact / numeric / regex:<pattern>, in-process
+    code.py        code_tests: a completion's program run against the record's tests in the sandbox
     functions.py   one function of any form (per sample, batched TRL-style, async) scoring a group
     scoring.py     a task's functions with their weights: `Rewards.score(batch) -> Scores`
 

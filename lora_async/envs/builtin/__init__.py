@@ -4,4 +4,6 @@
     sandbox      the same with a `run_python` code interpreter (programs run in lora_async.sandbox)
     programs     questions whose programs need a loop (primes, divisors, ranges, multiples), same tool
     guess        guess a number with higher/lower replies (feedback, long-tailed lengths)
+
+`question.ToolQuestion` is what calculator, sandbox and programs share: a question answered with tools.
 """
