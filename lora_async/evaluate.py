@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from .generator.types import generate_async
 from .rollout import EvalResult, RolloutSource
+from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from .config import AdapterSpec, TrainConfig
@@ -29,7 +30,7 @@ class EvalEngine:
     """An engine started for evaluation only (no training run around it)."""
 
     generator: "VllmGenerator"
-    tokenizer: Any
+    tokenizer: Tokenizer
 
     def load_dir(self, name: str, version: int, path: Path) -> None:
         """Register a PEFT directory; vLLM loads it itself, as `vllm serve --lora-modules` would."""

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 from .buffer import Group
 from .generator.types import GenRequest, GenResult, GenStatus
 from .outcomes import EpisodeStats
 from .timing import NO_WAITS, Waits
+from .tokenizer import Tokenizer
 
 Generate = Callable[[GenRequest], Awaitable[GenResult]]
 EVAL_EXAMPLES = 3  # examples an evaluation keeps for display
@@ -76,7 +77,7 @@ class RolloutContext:
     seed draw alike where their versions agree; `sub_seed` derives one per request)."""
 
     generate: Generate
-    tokenizer: Any
+    tokenizer: Tokenizer
     tag: object = None
     waits: Waits = NO_WAITS
     partial: bool = False
@@ -146,10 +147,10 @@ class RolloutSource(Protocol):
     async def rollout(self, index: int, ctx: RolloutContext) -> GroupRollout:
         """Generate and score training group `index` (deterministic for a seed and index)."""
 
-    async def evaluate(self, generate: Generate, tokenizer: Any, adapter: str | None, limit: int = 0) -> EvalResult:
+    async def evaluate(self, generate: Generate, tokenizer: Tokenizer, adapter: str | None, limit: int = 0) -> EvalResult:
         """Greedy held-out evaluation of `adapter` (None: the base); `limit` > 0 takes the first few."""
 
-    async def probe_prompt(self, tokenizer: Any) -> list[int] | None:
+    async def probe_prompt(self, tokenizer: Tokenizer) -> list[int] | None:
         """The canary's prompt (None: none to give)."""
 
     def close(self) -> None: ...

@@ -33,6 +33,7 @@ from ..learner.learner import Learner
 from ..learner.step import StepStats
 from ..orchestrator.lifecycle import LocalParts
 from ..sync.transports import Transport
+from ..tokenizer import Tokenizer
 
 T = TypeVar("T")
 
@@ -130,14 +131,14 @@ class SharedParts:
             raise ValueError("learner.devices: runs share one learner; a data-parallel one is not supported here")
         self.local = LocalParts(config, console, out_dir)
         self.learner_placement = self.local.learner_placement
-        self._tokenizer: Any = None
+        self._tokenizer: Tokenizer | None = None
         self._engine: VllmGenerator | None = None
         self._learner: Learner | None = None
 
     def arm(self, config: TrainConfig) -> "ArmParts":
         return ArmParts(self, config)
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             self._tokenizer = self.local.tokenizer()
         return self._tokenizer
@@ -183,7 +184,7 @@ class ArmParts:
     def describe(self) -> str:
         return self.shared.local.describe()
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.shared.tokenizer()
 
     def generator(self) -> ArmGenerator:

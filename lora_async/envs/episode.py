@@ -29,6 +29,7 @@ from ..guarded import call_guarded
 from ..outcomes import Outcome
 from ..rollout import Generate, sub_seed
 from ..timing import NO_WAITS, Wait, Waits
+from ..tokenizer import text_of
 from .base import Message, Reply, StepResult, ToolCall, ToolResult
 from .render import ChatRenderer
 from .tools import ToolBox, parse_tool_calls, strip_tool_calls
@@ -177,7 +178,7 @@ class Episode:
         for turn in range(1, s.max_turns + 1):
             reply_ids, finish = await self._reply(traj)
             traj.turns = turn
-            text = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
+            text = text_of(self.tokenizer.decode(reply_ids, skip_special_tokens=True))
             traj.messages.append({"role": "assistant", "content": text})
             reply, tool_messages = await self._use_tools(text, turn, finish == "length", traj)
             with self.waits.timed(Wait.ENV):

@@ -20,8 +20,7 @@ template that refuses that role gets them as user messages in `<tool_response>` 
 
 from __future__ import annotations
 
-from typing import Any
-
+from ..tokenizer import Tokenizer, chat_text, text_of
 from .base import Message
 
 ANCHOR = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "PONG"}]
@@ -32,7 +31,7 @@ PLAIN_HEADER = "assistant: "  # tokenizers without a chat template: "role: conte
 class ChatRenderer:
     """Renders one task's conversations for one tokenizer (shared by all its episodes)."""
 
-    def __init__(self, tokenizer: Any, tool_schemas: list[dict], system_prompt: str | None) -> None:
+    def __init__(self, tokenizer: Tokenizer, tool_schemas: list[dict], system_prompt: str | None) -> None:
         from .tools import fallback_tool_prompt, template_supports_tools
 
         self.tokenizer = tokenizer
@@ -59,7 +58,7 @@ class ChatRenderer:
         added = full[self._anchor_len:]
         closing = self.reply_suffix
         if reply_ids and reply_ids[-1] in self.eos_ids:  # the model wrote the end-of-turn token itself
-            eos_text = self.tokenizer.decode([reply_ids[-1]], skip_special_tokens=False)
+            eos_text = text_of(self.tokenizer.decode([reply_ids[-1]], skip_special_tokens=False))
             if closing.startswith(eos_text):
                 closing = closing[len(eos_text):]
         return self._ids(closing + added)
@@ -89,8 +88,7 @@ class ChatRenderer:
             lines = "".join(f"{m['role']}: {m.get('content', '')}\n" for m in messages)
             return lines + (PLAIN_HEADER if generation_prompt else "")
         extra = {"tools": self.schemas} if self.native_tools else {}
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  **extra)
+        return chat_text(self.tokenizer, messages, generation_prompt, **extra)
 
     def _ids(self, text: str) -> list[int]:
         if self.templated:

@@ -30,6 +30,7 @@ from ..config import auto_workers
 from ..rewards import Batch, Rewards, make_rewards
 from ..sandbox import describe as describe_isolation, is_sandboxed
 from ..timing import NO_WAITS, Waits
+from ..tokenizer import Tokenizer
 from .base import Split, check_env
 from .episode import Episode, EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, call_env
 from .render import ChatRenderer
@@ -123,7 +124,7 @@ class EnvSource:
     def heldout_size(self) -> int:
         return self.config.heldout
 
-    def renderer(self, tokenizer: Any) -> ChatRenderer:
+    def renderer(self, tokenizer: Tokenizer) -> ChatRenderer:
         key = id(tokenizer)
         if key not in self._renderers:
             self._renderers[key] = ChatRenderer(tokenizer, self.schemas, self.system_prompt)
@@ -149,7 +150,7 @@ class EnvSource:
         check_env(env, self.where)
         return env
 
-    async def opening_ids(self, index: int, split: Split, tokenizer: Any) -> list[int] | None:
+    async def opening_ids(self, index: int, split: Split, tokenizer: Tokenizer) -> list[int] | None:
         """The rendered opening of an episode (None if the environment fails to open it)."""
         try:
             env = await self.build(index, split)
@@ -158,7 +159,7 @@ class EnvSource:
         except (EpisodeError, TypeError, KeyError):
             return None
 
-    async def probe_prompt(self, tokenizer: Any) -> list[int] | None:
+    async def probe_prompt(self, tokenizer: Tokenizer) -> list[int] | None:
         """The first held-out episode's opening."""
         return await self.opening_ids(0, "eval", tokenizer)
 
@@ -194,7 +195,7 @@ class EnvSource:
         group = Group(self.adapter, min(s.version for s in samples), index, samples, episodes=stats)
         return GroupRollout(group, tokens=tokens, episodes=stats, fault=fault)
 
-    async def evaluate(self, generate: Generate, tokenizer: Any, adapter: str | None, limit: int = 0) -> EvalResult:
+    async def evaluate(self, generate: Generate, tokenizer: Tokenizer, adapter: str | None, limit: int = 0) -> EvalResult:
         """Greedy episodes on the held-out split: success rate (`accuracy`), turns and tool use."""
         played = await asyncio.gather(*(self.play(i, "eval", tokenizer, self.eval_settings, generate, adapter, None)
                                         for i in self.heldout()[: limit or None]), return_exceptions=True)
@@ -209,7 +210,7 @@ class EnvSource:
                           mean_reward=sum(t.reward for t in episodes) / n if n else 0.0, n=n,
                           examples=[transcript(t) for t in episodes[:EVAL_EXAMPLES]], extra=stats.eval_figures())
 
-    async def play(self, index: int, split: Split, tokenizer: Any, settings: EpisodeSettings, generate: Generate,
+    async def play(self, index: int, split: Split, tokenizer: Tokenizer, settings: EpisodeSettings, generate: Generate,
                    adapter: str | None, tag: object, group: object = None, waits: Waits = NO_WAITS,
                    seed: int | None = None) -> Trajectory:
         """One episode of problem `index`. Environment faults end it as `env_error` (counted);

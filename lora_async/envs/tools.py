@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..guarded import GuardedError, GuardedPool
+from ..tokenizer import Tokenizer
 from .base import ToolCall, ToolResult
 
 # An unterminated block at the very end is a reply cut by the token limit; it still counts.
@@ -100,7 +101,7 @@ def fallback_tool_prompt(schemas: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def template_supports_tools(tokenizer: Any, schemas: list[dict[str, Any]]) -> bool:
+def template_supports_tools(tokenizer: Tokenizer, schemas: list[dict[str, Any]]) -> bool:
     """Whether the chat template renders `tools=` (if not, use `fallback_tool_prompt`)."""
     messages = [{"role": "user", "content": "Hello"}]
     try:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ..adapter_version import AdapterVersion, served_name
 from ..placement import Placement, pin_current_thread
+from ..tokenizer import Tokenizer
 from .registry import LiveVersion, VersionRegistry, register_version
 from .spec import EngineSpec
 from .types import (Delivery, GenRequest, GenResult, GeneratorDead, GeneratorStats, GenStatus, PublishStats, Sample,
@@ -84,7 +85,7 @@ class VllmGenerator:
         self._dead: BaseException | None = None
         self._stopping = False
         self._client: EngineClient | None = None
-        self._tokenizer: Any = None
+        self._tokenizer: Tokenizer | None = None
         self._ready: Future[bool] = Future()
         self._thread = threading.Thread(target=self._run, name="lora-async-generator", daemon=True)
         self._thread.start()
@@ -160,7 +161,7 @@ class VllmGenerator:
         return self.with_receiver(fn)
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer | None:
         return self._tokenizer
 
     def __enter__(self) -> "VllmGenerator":

@@ -159,13 +159,15 @@ async def calibrate_learner(run: "Run", every_core: Placement, share: Placement 
     """Where async would split the cores: the learner's seconds per token on every core and on
     its share (`learner/probe.py`), whose ratio the model then takes for the split's cost to
     the learner. A data-parallel learner keeps the assumed cost."""
-    auto = run.auto
+    from ..learner.learner import Learner  # torch is loaded already (the probe's)
+
+    auto, learner = run.auto, run.learner
     assert auto is not None
-    if not auto.split or share is None or not hasattr(run.learner, "model"):
+    if not auto.split or share is None or not isinstance(learner, Learner):
         return {}
     try:
-        every = await run.in_learner(probe.seconds_per_token, run.learner, every_core, run.config.run.seed)
-        on_share = await run.in_learner(probe.seconds_per_token, run.learner, share, run.config.run.seed)
+        every = await run.in_learner(probe.seconds_per_token, learner, every_core, run.config.run.seed)
+        on_share = await run.in_learner(probe.seconds_per_token, learner, share, run.config.run.seed)
     except RuntimeError as exc:
         run.console.print(f"[yellow]auto: the learner's calibration failed ({exc}); assuming its step takes "
                           f"{LEARNER_SPLIT_SLOWDOWN}x as long on its share of the cores[/]")

@@ -30,6 +30,7 @@ from ..placement import Placement, pin_current_thread
 from ..sync.transports import Transport
 from ..tasks import make_source
 from ..timing import TimeBoard
+from ..tokenizer import Tokenizer
 from .admission import Admission
 from .auto import start_mode, start_window
 from .periodic import checkpoint, evaluate_all, save_adapter
@@ -43,7 +44,7 @@ class Parts(Protocol):
     learner_placement: Placement
 
     def describe(self) -> str: ...
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> Tokenizer: ...
     def generator(self) -> RunGenerator: ...
     def transport(self, generator: RunGenerator) -> Transport: ...
     def learner(self) -> LearnerAPI:
@@ -86,7 +87,7 @@ class LocalParts:
             lines.append(f"learner base: {quantization} (bitsandbytes); the generator serves {served}")
         return "\n".join(lines)
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.model_dir)

@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, TypeVar, TypeVarTuple
 
 from rich.console import Console
 
@@ -31,6 +31,7 @@ from ..outcomes import EpisodeStats
 from ..rollout import RolloutSource
 from ..staleness import WindowInForce
 from ..timing import IdleSplit, LearnerClock, TimeBoard, Waits
+from ..tokenizer import Tokenizer
 from .admission import Admission
 from .auto_state import Auto
 
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
     from ..config import AdapterSpec, TrainConfig
     from ..metrics import MetricsWriter
     from ..sync.transports import Transport
+
+T = TypeVar("T")
+Args = TypeVarTuple("Args")
 
 MAX_PULL_FACTOR = 4  # a step takes what it has after pulling this many batches' worth of groups
 
@@ -136,7 +140,7 @@ class Run:
     out_dir: Path
     console: Console
     adapters: dict[str, AdapterRun]
-    tokenizer: Any
+    tokenizer: Tokenizer
     generator: Generator
     transport: "Transport"
     learner: LearnerAPI
@@ -209,7 +213,7 @@ class Run:
     def wall_s(self) -> float:
         return self.wall_offset + time.perf_counter() - self.started
 
-    async def in_learner(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def in_learner(self, fn: Callable[[*Args], T], *args: *Args) -> T:
         """Run `fn` on the learner's thread (the learner is not thread-safe; one thread owns it)."""
         return await asyncio.get_running_loop().run_in_executor(self.learner_pool, fn, *args)
 
@@ -231,7 +235,7 @@ class Run:
         async with self.producers_wake:
             self.producers_wake.notify_all()
 
-    def in_background(self, coro: Any) -> None:
+    def in_background(self, coro: Coroutine[object, object, object]) -> None:
         task = asyncio.create_task(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)

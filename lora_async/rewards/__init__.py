@@ -11,8 +11,8 @@ is counted without taking the run down.
 """
 
 from .builtin import exact_reward, final_number, numeric_reward
-from .functions import Batch, Call, RewardError, RewardFunction
+from .functions import Batch, Call, Prompt, RewardError, RewardFunction
 from .scoring import Rewards, Scores, make_rewards
 
-__all__ = ["Batch", "Call", "RewardError", "RewardFunction", "Rewards", "Scores", "exact_reward", "final_number",
-           "make_rewards", "numeric_reward"]
+__all__ = ["Batch", "Call", "Prompt", "RewardError", "RewardFunction", "Rewards", "Scores", "exact_reward",
+           "final_number", "make_rewards", "numeric_reward"]

@@ -28,7 +28,8 @@ from ..guarded import CallResult, GuardedError, GuardedPool
 from .builtin import builtin_reward
 from .code import SPEC as CODE_TESTS_SPEC
 
-Prompt = Any  # the problem's prompt: text, or a list of chat messages ({"role", "content"})
+Messages = list[dict[str, str]]  # a chat: {"role", "content"} each
+Prompt = str | Messages  # the problem's prompt: text, or a chat
 BATCH_MARK = "completions"  # a parameter of this name makes a function batched (TRL's convention)
 
 

@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..errors import UserError
-from ..rewards import Batch, Rewards
+from ..rewards import Batch, Prompt, Rewards
 from ..rollout import RewardStats  # the counters every rollout source keeps (re-exported: tasks.RewardStats)
-
-Messages = list[dict[str, str]]
+from ..tokenizer import Tokenizer, token_ids
 
 
 class TaskDataError(UserError, ValueError):
@@ -22,7 +21,7 @@ class TaskDataError(UserError, ValueError):
 @dataclass(frozen=True)
 class Problem:
     index: int  # position in the training stream (or in the held-out list)
-    prompt: str | Messages  # the user message, or a chat (a record whose prompt is a list of messages)
+    prompt: Prompt  # the user message, or a chat (a record whose prompt is a list of messages)
     answer: str  # the reference the reward compares against
     # The record's other fields (JSONL tasks), passed to user rewards by name. Left out of the
     # hash, which a dict cannot take part in.
@@ -62,16 +61,13 @@ class Task(Protocol):
     def close(self) -> None: ...
 
 
-def render_prompt(tokenizer: Any, prompt: str | Messages, system_prompt: str | None) -> list[int]:
+def render_prompt(tokenizer: Tokenizer, prompt: Prompt, system_prompt: str | None) -> list[int]:
     """Token ids of the chat-formatted prompt, ending where the assistant starts. A chat prompt
     keeps its own system message, if it has one."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt is not None and not any(m.get("role") == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system_prompt})
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return token_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     text = "\n\n".join(m["content"] for m in messages) + "\n"
     return list(tokenizer(text)["input_ids"])

@@ -15,8 +15,8 @@ import random
 from typing import Any, Mapping
 
 from ..config.tasks import ProblemRewards
-from ..rewards import Rewards, make_rewards
-from .problems import Messages, Problem, RewardStats
+from ..rewards import Prompt, Rewards, make_rewards
+from .problems import Problem, RewardStats
 
 # What a reward gets besides the record's fields; a record field of one of these names is dropped.
 ROLE_FIELDS = ("prompt", "completion", "answer")
@@ -27,7 +27,7 @@ class NotChatError(ValueError):
     """A prompt that is a list but not chat messages; the caller names where it was."""
 
 
-def record_prompt(value: Any) -> str | Messages:
+def record_prompt(value: Any) -> Prompt:
     """Text, or a chat: a non-empty list of messages, each with a string role and content (other
     keys of a message are dropped). Raises `NotChatError` for any other list."""
     if not isinstance(value, list):

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..buffer import Group, TrainSample, group_advantages
 from ..config import SamplingConfig
 from ..generator.types import GenRequest, GenResult, GenStatus, Sample
 from ..outcomes import EpisodeStats
 from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext, sub_seed
+from ..tokenizer import Tokenizer, text_of
 from .problems import Task, render_prompt
 
 GREEDY = 0.0  # vLLM treats temperature 0 as greedy decoding
@@ -140,7 +140,7 @@ class SingleTurnSource:
                 drawn.add(result.samples[0], result.version)
         return None
 
-    async def evaluate(self, generate: Generate, tokenizer: Any, adapter: str | None, limit: int = 0) -> EvalResult:
+    async def evaluate(self, generate: Generate, tokenizer: Tokenizer, adapter: str | None, limit: int = 0) -> EvalResult:
         task = self.task
         problems = task.heldout()[: limit or None]
         requests = [GenRequest(render_prompt(tokenizer, p.prompt, task.system_prompt), adapter, n=1,
@@ -149,7 +149,7 @@ class SingleTurnSource:
         failed = next((r for r in results if not r.ok or not r.samples), None)
         if failed is not None:
             raise RuntimeError(f"evaluation request failed ({failed.status.value}): {failed.error}")
-        texts = [tokenizer.decode(r.samples[0].token_ids, skip_special_tokens=True) for r in results]
+        texts = [text_of(tokenizer.decode(r.samples[0].token_ids, skip_special_tokens=True)) for r in results]
         scored = await asyncio.gather(*(task.rewards.score(p.batch([t], [r.samples[0].token_ids]))
                                         for p, t, r in zip(problems, texts, results)))
         rewards = [s.rewards[0] for s in scored]
@@ -159,7 +159,7 @@ class SingleTurnSource:
                           mean_reward=sum(rewards) / n if n else 0.0, n=n,
                           examples=[(p.text, t, p.answer) for p, t in zip(problems[:EVAL_EXAMPLES], texts)])
 
-    async def probe_prompt(self, tokenizer: Any) -> list[int] | None:
+    async def probe_prompt(self, tokenizer: Tokenizer) -> list[int] | None:
         """The first held-out problem (or the first training one, without a held-out split)."""
         probe = self.task.heldout()[:1] or [self.task.train_problem(0)]
         return render_prompt(tokenizer, probe[0].prompt, self.task.system_prompt)

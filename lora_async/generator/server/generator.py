@@ -18,10 +18,11 @@ import itertools
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from ...adapter_version import AdapterVersion
 from ...staleness import StalenessWindow
+from ...tokenizer import Tokenizer
 from ..registry import LiveVersion, VersionRegistry, register_version
 from ..types import Delivery, GenRequest, GenResult, GeneratorStats, GenStatus, PublishStats, Sample, hand_back
 from ..validate import BaseShapes, VersionCheck
@@ -155,7 +156,7 @@ class ServerGenerator:
         return [sorted(m["id"] for m in self.client.served(url) if m.get("parent")) for url in self.client.urls]
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
     def __enter__(self) -> "ServerGenerator":
