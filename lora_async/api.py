@@ -25,11 +25,14 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .config import TrainConfig, load_config
 from .config.load import Overrides, resolve_task_paths, with_overrides
 from .errors import RunError, TrainingError, UserError
+
+if TYPE_CHECKING:
+    from .orchestrator import StopSwitch
 
 __all__ = ["exit_code", "load_config", "prepare", "run", "train", "warn"]
 
@@ -104,7 +107,7 @@ def _loop_running() -> bool:
     return True
 
 
-def _in_own_thread(body: Callable[[], dict[str, Any]], stop: Any) -> dict[str, Any]:
+def _in_own_thread(body: Callable[[], dict[str, Any]], stop: StopSwitch) -> dict[str, Any]:
     """Run `body` in a thread of its own; Ctrl-C in this thread pulls `stop` (each one: the first
     stops after the step, a second aborts). Its result or exception comes back here."""
     result: dict[str, Any] = {}

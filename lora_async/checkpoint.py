@@ -33,7 +33,7 @@ class RunState:
     steps: dict[str, int]  # per adapter: its learner steps
     next_problem: dict[str, int]  # per adapter: index of the next training problem to draw
     wall_s: float
-    counters: dict[str, dict[str, Any]]  # per adapter
+    counters: dict[str, dict[str, int]]  # per adapter (`Counters.as_dict`)
     auto: dict[str, Any] | None = None  # an auto run's measurements and decisions (`orchestrator.auto_state`)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import operator
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Protocol
+from typing import Iterable, Protocol
 
 
 class Outcome(str, enum.Enum):
@@ -91,7 +91,7 @@ class EpisodeStats:
             setattr(self, f.name, combine(getattr(self, f.name), getattr(other, f.name)))
 
     @classmethod
-    def from_dict(cls, saved: dict[str, Any]) -> "EpisodeStats":
+    def from_dict(cls, saved: dict[str, int]) -> "EpisodeStats":
         """From a checkpoint's flat counters (older ones hold only the run totals)."""
         return cls(**{f.name: int(saved[f.name]) for f in fields(cls) if f.name in saved})
 

@@ -6,14 +6,17 @@ Torch only."""
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 GROUP_PREFIX = "lora-async-sync"
 
 
-def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> Any:
+def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
     """The rendezvous store of a dedicated group. The master may pass port 0 (the store then
     binds a free port: `store.port`); it does not wait for the others here."""
     import torch.distributed as dist
@@ -22,7 +25,7 @@ def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s
                          wait_for_workers=False)
 
 
-def make_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
+def make_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
     """A process group of its own (not torch's default group, which vLLM's workers use)."""
     import torch.distributed as dist
 

@@ -18,7 +18,7 @@ share the cores: arms at a fixed lag take turns, like sync ones (`BufferConfig.c
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 from rich.console import Console
@@ -79,7 +79,7 @@ class ArmLearner:
 
     def __init__(self, learner: Learner, adapter: str) -> None:
         self.learner, self.adapter = learner, adapter
-        self.adapters: dict[str, Any] = learner.adapters  # the arm's alone: each arm removes its own
+        self.adapters: Mapping[str, object] = learner.adapters  # the arm's alone: each arm removes its own
 
     def version(self, adapter: str) -> int:
         return self.learner.version(adapter)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, ClassVar, Literal, Union
+from typing import Any, Awaitable, Callable, ClassVar, Literal, Protocol, Union
 
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": str, ...}
 Split = Literal["train", "eval"]
@@ -119,10 +119,18 @@ class Env:
         raise NotImplementedError
 
 
-EnvFactory = Callable[[int, Split], Any]
+class EnvLike(Protocol):
+    """What a run calls on an environment: an `Env`, or any object with these methods (`check_env`)."""
+
+    def reset(self) -> Union[list[Message], Awaitable[list[Message]]]: ...
+
+    def step(self, reply: Reply) -> Union[StepResult, Awaitable[StepResult]]: ...
 
 
-def check_env(env: Any, where: str) -> None:
+EnvFactory = Callable[[int, Split], EnvLike]
+
+
+def check_env(env: object, where: str) -> None:
     """Raise TypeError (one line, naming `where`) if `env` does not fit the interface."""
     missing = [name for name in ("reset", "step") if not callable(getattr(env, name, None))]
     if missing:

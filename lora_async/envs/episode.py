@@ -30,7 +30,7 @@ from ..outcomes import Outcome
 from ..rollout import Generate, sub_seed
 from ..timing import NO_WAITS, Wait, Waits
 from ..tokenizer import text_of
-from .base import Message, Reply, StepResult, ToolCall, ToolResult
+from .base import EnvLike, Message, Reply, StepResult, ToolCall, ToolResult
 from .render import ChatRenderer
 from .tools import ToolBox, parse_tool_calls, strip_tool_calls
 
@@ -144,7 +144,7 @@ async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float, what: s
 class Episode:
     """Plays one environment to its end on one adapter."""
 
-    def __init__(self, env: Any, renderer: ChatRenderer, toolbox: ToolBox | None, settings: EpisodeSettings,
+    def __init__(self, env: EnvLike, renderer: ChatRenderer, toolbox: ToolBox | None, settings: EpisodeSettings,
                  generate: Generate, adapter: str | None,
                  tag: object, group: object = None, waits: Waits = NO_WAITS, seed: int | None = None) -> None:
         """`tag` goes on every request (the orchestrator's rollout tag: what `abort_older` stops);

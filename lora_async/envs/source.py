@@ -31,7 +31,7 @@ from ..rewards import Batch, Rewards, make_rewards
 from ..sandbox import describe as describe_isolation, is_sandboxed
 from ..timing import NO_WAITS, Waits
 from ..tokenizer import Tokenizer
-from .base import Split, check_env
+from .base import EnvFactory, EnvLike, Split, check_env
 from .episode import Episode, EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, call_env
 from .render import ChatRenderer
 from .tools import SimulatedLatency, ToolBox, ToolError, tool_schemas
@@ -87,7 +87,7 @@ class EnvSource:
         self.adapter, self.settings, self.eval_settings, self.group_size = adapter, settings, eval_settings, group_size
         self.system_prompt = config.system_prompt
         self.stats = RewardStats()  # calls: episodes ended; errors: environment faults
-        self.factory = load_object(config.env, where)
+        self.factory: EnvFactory = load_object(config.env, where)
         try:
             probe = self.factory(0, "train")
         except Exception as exc:
@@ -144,7 +144,7 @@ class EnvSource:
             line += "; code runs in " + describe_isolation(self.config.sandbox)
         return line
 
-    async def build(self, index: int, split: Split) -> Any:
+    async def build(self, index: int, split: Split) -> EnvLike:
         """The environment of problem `index` (EpisodeError or TypeError if the factory fails)."""
         env = await call_env(self.factory, index, split, timeout_s=self.config.env_timeout_s, what="the factory")
         check_env(env, self.where)

@@ -228,7 +228,7 @@ def hand_back(on_done: Callable[[GenResult], None], result: GenResult) -> None:
         logging.getLogger(__name__).exception("generation callback failed")
 
 
-def generate_async(generator: Generator[Any]) -> Callable[[GenRequest], Awaitable[GenResult]]:
+def generate_async(generator: Generator[object]) -> Callable[[GenRequest], Awaitable[GenResult]]:
     """Adapt a callback generator (`submit(req, on_done)`) to `await generate(req)`."""
 
     def generate(request: GenRequest) -> Awaitable[GenResult]:

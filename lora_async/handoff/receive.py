@@ -9,7 +9,6 @@ them without vLLM.
 from __future__ import annotations
 
 import pickle
-from typing import Any
 
 import torch
 
@@ -54,7 +53,7 @@ def receive_shm(segment: str, meta: PackMeta) -> dict[str, torch.Tensor]:
     return _owned(meta, buffer)
 
 
-def receive_object(meta: PackMeta, array: Any) -> dict[str, torch.Tensor]:
+def receive_object(meta: PackMeta, array: object) -> dict[str, torch.Tensor]:
     """Copy a packed adapter out of a Ray object (a read-only uint8 array, zero-copy from the
     object store on the receiver's node) into a buffer of our own."""
     import numpy as np

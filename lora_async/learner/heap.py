@@ -16,11 +16,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-from typing import Any
 
 
 @functools.cache
-def _libc() -> Any:
+def _libc() -> ctypes.CDLL | None:
     """glibc, or None where malloc is another (musl, macOS): nothing to trim there."""
     name = ctypes.util.find_library("c")
     if name is None:

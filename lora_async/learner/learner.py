@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -29,6 +29,9 @@ from .logprobs import completion_logprobs
 from .packing import build_micro_batch, plan_step
 from .step import Accumulated, StepStats, Update, lr_scale, scaled_lr, step_stats
 
+if TYPE_CHECKING:
+    from peft import LoraConfig as PeftLoraConfig
+
 
 def adapter_seed(seed: int, index: int) -> int:
     """The seed a learner's `index`-th adapter is initialised with: the run's seed for the first
@@ -37,7 +40,7 @@ def adapter_seed(seed: int, index: int) -> int:
     return seed + index
 
 
-def peft_lora_config(lora: LoraConfig) -> Any:
+def peft_lora_config(lora: LoraConfig) -> PeftLoraConfig:
     from peft import LoraConfig as PeftLoraConfig
 
     targets = lora.target_modules if isinstance(lora.target_modules, list) else "all-linear"
@@ -83,7 +86,7 @@ class Learner:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.model_dir = Path(model_dir)
-        self.peft_configs: dict[str, Any] = {}
+        self.peft_configs: dict[str, PeftLoraConfig] = {}
         self.adapters: dict[str, _AdapterState] = {}
         for i, (name, (lora, lr)) in enumerate(adapters.items()):
             torch.manual_seed(adapter_seed(seed, i))

@@ -3,7 +3,7 @@ test's fake). Kept free of torch so the orchestrator and checkpoints can name it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 class LearnerAPI(Protocol):
     """Every method runs on the learner's own thread (the learner is not thread-safe)."""
 
-    adapters: dict[str, Any]
+    @property
+    def adapters(self) -> Mapping[str, object]:
+        """The adapters it trains, by name (what each holds is the learner's own)."""
 
     def version(self, adapter: str) -> int: ...
     def adapter_version(self, adapter: str) -> "AdapterVersion": ...

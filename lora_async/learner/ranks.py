@@ -13,7 +13,7 @@ import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -23,6 +23,9 @@ from ..placement import Placement, pin_current_thread
 from ..process_groups import broadcast, make_group, make_store
 from .learner import Learner
 from .step import Update
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 HOST = "127.0.0.1"  # every rank runs on this machine
 
@@ -54,7 +57,7 @@ class Rendezvous:
     backend: str  # "gloo" or "nccl"
     timeout_s: float
 
-    def join(self, store: Any = None) -> Any:
+    def join(self, store: dist.TCPStore | None = None) -> Any:
         """This rank's member of the group (rank 0 passes its master store; the others connect)."""
         if store is None:
             store = make_store(HOST, self.port, self.world, False, self.timeout_s)

@@ -40,7 +40,7 @@ MOSTLY_DROPPED = 0.5  # a step whose loss clipped or masked this share of its to
 
 
 async def train(config: TrainConfig, resume: bool = False, console: Console | None = None,
-                on_step: Callable[[Run], Any] | None = None, parts: Parts | None = None,
+                on_step: Callable[[Run], object] | None = None, parts: Parts | None = None,
                 stop: StopSwitch | None = None) -> dict[str, Any]:
     """Run training until a limit, a stop signal or a failure; return the summary.
 

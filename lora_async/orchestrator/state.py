@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, TypeVar, TypeVarTuple
+from typing import TYPE_CHECKING, Awaitable, Callable, Coroutine, TypeVar, TypeVarTuple
 
 from rich.console import Console
 

@@ -29,7 +29,7 @@ def sandboxed(tool: F) -> F:
     return tool
 
 
-def is_sandboxed(tool: Any) -> bool:
+def is_sandboxed(tool: object) -> bool:
     return bool(getattr(tool, MARK, False))
 
 

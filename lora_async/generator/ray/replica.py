@@ -28,7 +28,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 from ...handoff import PackMeta
 from ..spec import EngineSpec
@@ -104,7 +104,7 @@ class Replica:
             self.generator = None
 
     # ---------------------------------------------------------------- versions
-    async def add_version(self, meta: PackMeta, array: Any) -> dict[str, float]:
+    async def add_version(self, meta: PackMeta, array: object) -> dict[str, float]:
         """Register a packed version from the object store; returns the milliseconds it took here
         (`ms`) and, of those, the wait for the engine to finish its current step (`wait_ms`).
         A damaged or malformed buffer raises PackError and nothing is registered."""
@@ -112,7 +112,7 @@ class Replica:
         stats = await asyncio.to_thread(self._register, meta, array)  # off the actor's loop: pings go on
         return {"ms": (time.perf_counter() - began) * 1000, "wait_ms": stats.wait_ms}
 
-    def _register(self, meta: PackMeta, array: Any) -> PublishStats:
+    def _register(self, meta: PackMeta, array: object) -> PublishStats:
         from ...handoff.receive import receive_object
 
         gen = self._engine()
