@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import linecache
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from lora_async.metrics import read_metrics
 from lora_async.orchestrator import StopSwitch, TrainingError
 from lora_async.preflight import PreflightError
 
+from .helpers import wait_for, wait_for_async
 from .test_train import make_config
 
 
@@ -121,10 +123,7 @@ def test_a_stop_requested_before_the_run_starts_waits_for_it() -> None:
     async def attach_later(switch: StopSwitch) -> None:
         switch.attach(FakeRun())  # type: ignore[arg-type]
         threading.Thread(target=switch.request, name="caller").start()  # a request from another thread ...
-        for _ in range(100):
-            if len(calls) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_async(lambda: len(calls) == 2, 60, "both stop requests to reach the run")
 
     switch = StopSwitch()
     switch.request()  # before the run exists
@@ -143,15 +142,21 @@ def test_ctrl_c_while_the_run_has_its_own_thread_pulls_the_switch() -> None:
             requests.append(time.monotonic())
 
     def body() -> dict:
-        deadline = time.monotonic() + 30
-        while len(requests) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: len(requests) == 2, 60, "two stop requests")
         return {"requests": len(requests)}
 
+    def caller_waits() -> bool:
+        """The caller's thread is in its wait for the run, where Ctrl-C becomes a stop request
+        (not yet there, a Ctrl-C would interrupt the test itself)."""
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        return frame is not None and frame.f_code is _in_own_thread.__code__ and \
+            "time.sleep(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
     def interrupt_twice() -> None:
-        for _ in range(2):
-            time.sleep(0.3)
+        for pulled in (1, 2):
+            wait_for(caller_waits, 60, "the caller's thread to wait for the run", poll_s=0.01)
             os.kill(os.getpid(), signal.SIGINT)
+            wait_for(lambda: len(requests) == pulled, 60, f"Ctrl-C {pulled} to become a stop request")
 
     threading.Thread(target=interrupt_twice, daemon=True).start()
     assert _in_own_thread(body, Switch()) == {"requests": 2}
