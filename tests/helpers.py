@@ -105,6 +105,24 @@ def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.05):
         time.sleep(poll_s)
 
 
+RUN_TIMEOUT_S = 900.0  # a training subprocess's start and first steps: only a hang takes this long, even loaded
+
+
+def wait_for_run(proc, condition, what: str, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    """`wait_for` while the training subprocess `proc` runs: fail with the end of its stderr if it
+    exits first."""
+    def ready() -> bool:
+        if condition():
+            return True
+        if proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr is not None else ""
+            err = err.decode(errors="replace") if isinstance(err, bytes) else err
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}: {err[-3000:]}")
+        return False
+
+    wait_for(ready, timeout_s, what, poll_s=0.2)
+
+
 async def wait_for_async(condition, timeout_s: float, what: str, poll_s: float = 0.005):
     """`wait_for` inside an event loop: the loop runs on while `condition()` is polled."""
     deadline = time.monotonic() + timeout_s

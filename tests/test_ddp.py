@@ -229,7 +229,7 @@ def test_nccl_between_a_learner_and_a_generator_on_one_gpu_is_refused_before_any
 
 def test_a_gpu_this_machine_lacks_exits_2_with_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "lora_async", "train", "--set", 'learner.devices=["cuda:7"]'],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "learner.devices" in lines[0] and "cuda:7" in lines[0], done.stderr

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ import torch
 
 from lora_async.config import load_config
 from lora_async.metrics import STEP_KEYS, read_metrics
+
+from .helpers import wait_for_run
 
 pytestmark = pytest.mark.slow
 
@@ -150,13 +151,11 @@ def test_sigkill_then_resume_continues_versions_and_restores_state(in_tmp, tiny_
     cmd = [sys.executable, "-m", "lora_async", "train", str(config)]
     proc = subprocess.Popen(cmd, env=env, cwd=in_tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     latest = out / "checkpoints" / "LATEST"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if latest.is_file() and latest.read_text().strip() >= "step-000003":
-            break
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
+    try:
+        wait_for_run(proc, lambda: latest.is_file() and latest.read_text().strip() >= "step-000003",
+                     "the checkpoint of step 3")
+    finally:
+        proc.send_signal(signal.SIGKILL)
     proc.wait()
     name = latest.read_text().strip()
     saved = in_tmp / "saved-checkpoint"
