@@ -114,7 +114,8 @@ def test_tiny_model_learns_a_trivial_reward(in_tmp, tiny_model):
     first = sum(r["reward_mean"] for r in rows[:3]) / 3
     last = sum(r["reward_mean"] for r in rows[-3:]) / 3
     assert first < 0.6 and last > 0.75 and last > first + 0.3, f"reward did not rise: {first:.2f} -> {last:.2f}"
-    assert rows[-1]["version"] >= 5  # it got there by updates, published as new versions
+    updates = sum(r["updated"] for r in rows)  # once it has learned, groups are flat and steps skip
+    assert updates >= 2 and rows[-1]["version"] == updates  # it got there by updates, each a new version
 
 
 def test_a_dead_engine_stops_the_run_with_a_clear_error_and_a_checkpoint(in_tmp, tiny_model):
