@@ -12,7 +12,7 @@ PEERS_TRL_BUDGET ?= 600
 PEERS_SEEDS ?= 0,1,2
 PEERS_OUT ?= runs/peers-v2
 
-.PHONY: test-long test-fast typecheck install demo test bench bench-peers bench-peers-slow clean
+.PHONY: test-long test-fast test-stress typecheck install demo test bench bench-peers bench-peers-slow clean
 
 install: $(STAMP)
 
@@ -49,6 +49,17 @@ test: install typecheck
 FAST_MARKERS := not vllm and not slow and not ray and not long and not gpu
 test-fast: install
 	LORA_ASYNC_TEST_TIER=unit $(BIN)/python -m pytest -q -m "$(FAST_MARKERS)"
+
+# The slow, vllm and ray tiers with 2 busy-looping processes beside them, as on a loaded machine:
+# a test that assumes how long something takes, rather than waiting for it, fails here first.
+# The busy loops are stopped when the tests end, pass or fail (and stop by themselves if this
+# shell is killed); a test past 40 minutes fails rather than hangs. About an hour on 2 busy cores.
+STRESS_MARKERS := (slow or vllm or ray) and not long
+test-stress: install
+	@busy=(); trap 'kill $${busy[@]} 2>/dev/null' EXIT; \
+	for _ in 1 2; do (while kill -0 $$$$ 2>/dev/null; do :; done) & busy+=($$!); done; \
+	echo "test-stress: 2 busy loops (pids $${busy[*]}) beside pytest -m '$(STRESS_MARKERS)'"; \
+	$(BIN)/python -m pytest -q --timeout 2400 -m "$(STRESS_MARKERS)"
 
 # The type checker over the package (config in pyproject.toml); any error fails `make test`.
 typecheck: install

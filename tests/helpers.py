@@ -1,7 +1,8 @@
-"""Test helpers: random adapters for the tiny model, blocking generation."""
+"""Test helpers: random adapters for the tiny model, blocking generation, waiting for a condition."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -91,11 +92,43 @@ PROMPTS = [[1, 510, 2114, 314, 260, 1372], [1, 22, 3320, 4217, 3106], [1, 17, 28
 
 
 def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.05):
-    """Wait until `condition()` is truthy and return its value; fail naming `what` after `timeout_s`."""
+    """Wait until `condition()` is truthy and return its value; fail naming `what` after `timeout_s`.
+    What a test waits on before it asserts or acts, instead of a sleep that guesses how long it takes."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         value = condition()
         if value:
             return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+RUN_TIMEOUT_S = 900.0  # a training subprocess's start and first steps: only a hang takes this long, even loaded
+
+
+def wait_for_run(proc, condition, what: str, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    """`wait_for` while the training subprocess `proc` runs: fail with the end of its stderr if it
+    exits first."""
+    def ready() -> bool:
+        if condition():
+            return True
+        if proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr is not None else ""
+            err = err.decode(errors="replace") if isinstance(err, bytes) else err
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}: {err[-3000:]}")
+        return False
+
+    wait_for(ready, timeout_s, what, poll_s=0.2)
+
+
+async def wait_for_async(condition, timeout_s: float, what: str, poll_s: float = 0.005):
+    """`wait_for` inside an event loop: the loop runs on while `condition()` is polled."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(poll_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import linecache
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from lora_async.metrics import read_metrics
 from lora_async.orchestrator import StopSwitch, TrainingError
 from lora_async.preflight import PreflightError
 
+from .helpers import RUN_TIMEOUT_S, wait_for, wait_for_async, wait_for_run
 from .test_train import make_config
 
 
@@ -139,10 +141,7 @@ def test_a_stop_requested_before_the_run_starts_waits_for_it() -> None:
     async def attach_later(switch: StopSwitch) -> None:
         switch.attach(FakeRun())  # type: ignore[arg-type]
         threading.Thread(target=switch.request, name="caller").start()  # a request from another thread ...
-        for _ in range(100):
-            if len(calls) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_async(lambda: len(calls) == 2, 60, "both stop requests to reach the run")
 
     switch = StopSwitch()
     switch.request()  # before the run exists
@@ -161,15 +160,21 @@ def test_ctrl_c_while_the_run_has_its_own_thread_pulls_the_switch() -> None:
             requests.append(time.monotonic())
 
     def body() -> dict:
-        deadline = time.monotonic() + 30
-        while len(requests) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: len(requests) == 2, 60, "two stop requests")
         return {"requests": len(requests)}
 
+    def caller_waits() -> bool:
+        """The caller's thread is in its wait for the run, where Ctrl-C becomes a stop request
+        (not yet there, a Ctrl-C would interrupt the test itself)."""
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        return frame is not None and frame.f_code is _in_own_thread.__code__ and \
+            "time.sleep(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
     def interrupt_twice() -> None:
-        for _ in range(2):
-            time.sleep(0.3)
+        for pulled in (1, 2):
+            wait_for(caller_waits, 60, "the caller's thread to wait for the run", poll_s=0.01)
             os.kill(os.getpid(), signal.SIGINT)
+            wait_for(lambda: len(requests) == pulled, 60, f"Ctrl-C {pulled} to become a stop request")
 
     threading.Thread(target=interrupt_twice, daemon=True).start()
     assert _in_own_thread(body, Switch()) == {"requests": 2}
@@ -242,12 +247,9 @@ def test_ctrl_c_to_the_process_group_stops_after_a_step_with_a_checkpoint(in_tmp
     proc = subprocess.Popen(cmd, env=env, cwd=in_tmp, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and not ((out / "metrics.jsonl").is_file() and steps_in(out)):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.2)
+        wait_for_run(proc, lambda: (out / "metrics.jsonl").is_file() and steps_in(out), "its first step")
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal, or Jupyter's interrupt, sends
-        stdout, stderr = proc.communicate(timeout=180)
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

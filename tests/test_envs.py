@@ -349,44 +349,71 @@ def test_plain_renderer_deltas_do_not_retokenise_the_context(env_module):
 
 SLOW_ENVS = '''
 import asyncio
+import threading
 import time
 
 from lora_async.envs import Env, StepResult, user
 
 CALLS = []  # (method, start, end) of every reset and step
+BEGUN = {"reset": 0, "step": 0}
+LOCK = threading.Lock()
+GROUP, PATIENCE_S = 4, 20.0  # the group's episodes; how long a call waits for the others (under env_timeout_s)
+
+
+def begin(method):
+    with LOCK:
+        BEGUN[method] += 1
+
+
+def all_begun(method):
+    return BEGUN[method] >= GROUP
 
 
 class Slow(Env):
-    """Each call takes 0.3 s (a simulator, a user)."""
+    """Each call takes until every episode of the group has begun the same call (a simulator, a
+    user that answers them together): calls that run at once all end together; one after
+    another, the first would wait out its patience alone and end before the others begin."""
 
     def __init__(self, index, split):
         pass
 
     def reset(self):
         start = time.monotonic()
-        time.sleep(0.3)
+        self.meet("reset")
         CALLS.append(("reset", start, time.monotonic()))
         return [user("go")]
 
     def step(self, reply):
         start = time.monotonic()
-        time.sleep(0.3)
+        self.meet("step")
         CALLS.append(("step", start, time.monotonic()))
         return StepResult(reward=float(reply.content.startswith("x")), done=True)
+
+    def meet(self, method):
+        begin(method)
+        deadline = time.monotonic() + PATIENCE_S
+        while not all_begun(method) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 class SlowAsync(Slow):
     async def reset(self):
         start = time.monotonic()
-        await asyncio.sleep(0.3)
+        await self.ameet("reset")
         CALLS.append(("reset", start, time.monotonic()))
         return [user("go")]
 
     async def step(self, reply):
         start = time.monotonic()
-        await asyncio.sleep(0.3)
+        await self.ameet("step")
         CALLS.append(("step", start, time.monotonic()))
         return StepResult(reward=float(reply.content.startswith("x")), done=True)
+
+    async def ameet(self, method):
+        begin(method)
+        deadline = time.monotonic() + PATIENCE_S
+        while not all_begun(method) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
 
 def plain(index, split):

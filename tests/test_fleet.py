@@ -20,6 +20,8 @@ from lora_async.config import load_config
 from lora_async.metrics import read_metrics
 from lora_async.orchestrator.rollouts import PRODUCER
 
+from .helpers import RUN_TIMEOUT_S
+
 pytestmark = pytest.mark.slow
 
 # Each adapter is rewarded for a different digit the tiny model emits now and then.
@@ -183,7 +185,7 @@ def test_serve_answers_per_adapter_over_http(fleet_run):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + RUN_TIMEOUT_S
         while time.time() < deadline:
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             try:

@@ -20,7 +20,7 @@ from lora_async.generator.types import GenRequest, GenStatus
 from lora_async.generator.validate import AdapterError
 
 from .helpers import (GREEDY, PROMPTS, first_token, fleet_config, generate, greedy, next_version, publish,
-                      random_adapter, submit_many)
+                      random_adapter, submit_many, wait_for)
 
 pytestmark = pytest.mark.vllm
 
@@ -91,14 +91,12 @@ def test_two_versions_in_one_batch_each_use_their_own_weights(engine, tiny_model
 
     def on_done(result):
         box["long"] = result
+    # Commands run in order on the engine thread: the long request is added (on v_k+1) before
+    # the publish is registered.
     engine.submit(GenRequest(prompt, "a", max_tokens=40, min_tokens=40, **GREEDY), on_done)
-    time.sleep(0.05)
     publish(engine, third)
     short = greedy(engine, "a", prompt, max_tokens=8)
-    deadline = time.time() + 60
-    while "long" not in box and time.time() < deadline:
-        time.sleep(0.02)
-    long = box["long"]
+    long = wait_for(lambda: box.get("long"), 60, "the long request")
     assert long.version == k + 1 and short.version == k + 2
     assert long.samples[0].token_ids[:8] == alone_new
     assert short.samples[0].token_ids == alone_old
@@ -190,9 +188,7 @@ def test_in_flight_request_finishes_on_its_version(engine, tiny_model):
     assert counted[k] == 1  # counted on the version it started on
     stats = publish(engine, v_next)
     after = greedy(engine, "a", PROMPTS[0], max_tokens=4)
-    deadline = time.time() + 60
-    while not box and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: box, 60, "the request begun on v_k")
     assert box[0].version == k
     assert box[0].samples[0].token_ids == reference
     assert after.version == k + 1
@@ -204,26 +200,24 @@ def test_stale_rollouts_are_cut_short_and_other_requests_are_not(engine, tiny_mo
     """Rollouts on versions a step makes too old stop at once; evals on the same version go on."""
     k = next_version(engine, "c")
     publish(engine, random_adapter(tiny_model, "c", k, seed=51))
+    newer = random_adapter(tiny_model, "c", k + 1, seed=52)  # built first: only the hand-off runs beside the rollout
     rollout, evaluation = [], []
-    long = dict(max_tokens=200, min_tokens=200, **GREEDY)
+    long = dict(max_tokens=400, min_tokens=400, **GREEDY)
+    # Commands run in order on the engine thread: both requests are added before the publish,
+    # and the rollout cannot draw 400 tokens during one hand-off.
     engine.submit(GenRequest(PROMPTS[0], "c", tag="rollout", **long), rollout.append)
     engine.submit(GenRequest(PROMPTS[1], "c", tag="eval", max_tokens=24, min_tokens=24, **GREEDY),
                   evaluation.append)
-    time.sleep(0.1)
-    publish(engine, random_adapter(tiny_model, "c", k + 1, seed=52))
+    publish(engine, newer)
     engine.abort_older("c", k + 1, "rollout")
-    deadline = time.time() + 60
-    while not (rollout and evaluation) and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: rollout and evaluation, 60, "the rollout and the evaluation")
     assert rollout[0].status is GenStatus.ABORTED_STALE and not rollout[0].samples
     assert evaluation[0].ok and evaluation[0].version == k and len(evaluation[0].samples[0].token_ids) == 24
     # a rollout on the new version is not touched
     fresh = []
     engine.submit(GenRequest(PROMPTS[2], "c", tag="rollout", max_tokens=8, **GREEDY), fresh.append)
     engine.abort_older("c", k + 1, "rollout")
-    deadline = time.time() + 60
-    while not fresh and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: fresh, 60, "the rollout on the new version")
     assert fresh[0].ok and fresh[0].version == k + 1
 
 
@@ -237,16 +231,16 @@ def test_a_stopped_partial_rollout_keeps_its_tokens_and_continues_on_the_newest_
     streamed = generate(engine, GenRequest(PROMPTS[0], "c", max_tokens=40, keep_partial=True, **GREEDY))
     assert streamed.ok and streamed.samples[0].token_ids == whole.samples[0].token_ids
     assert streamed.samples[0].logprobs == pytest.approx(whole.samples[0].logprobs, abs=1e-4)
+    newer = random_adapter(tiny_model, "c", k + 1, seed=62)  # built first: only the hand-off runs beside the rollout
     stopped = []
+    steps = engine.stats.steps
     engine.submit(GenRequest(PROMPTS[0], "c", tag="rollout", max_tokens=400, min_tokens=400, keep_partial=True,
                              **GREEDY), stopped.append)
-    time.sleep(0.5)
-    publish(engine, random_adapter(tiny_model, "c", k + 1, seed=62))
+    # the rollout alone on the engine: a few engine steps, a few of its tokens drawn
+    wait_for(lambda: engine.stats.steps >= steps + 4, 60, "the rollout to draw some tokens")
+    publish(engine, newer)
     engine.abort_older("c", k + 1, "rollout")
-    deadline = time.time() + 60
-    while not stopped and time.time() < deadline:
-        time.sleep(0.02)
-    result = stopped[0]
+    result = wait_for(lambda: stopped, 60, "the stopped rollout")[0]
     assert result.status is GenStatus.STOPPED and result.version == k
     drawn = result.samples[0]
     assert 0 < len(drawn.token_ids) < 400 and len(drawn.logprobs) == len(drawn.token_ids)
@@ -364,9 +358,7 @@ def test_retiring_an_adapter_removes_every_version_and_aborts_its_requests(engin
     engine.submit(GenRequest(PROMPTS[0], "gone", max_tokens=200, min_tokens=200, **GREEDY), running.append)
     retired = engine.retire_adapter("gone")
     assert sorted(retired) == [f"gone@v{first}", f"gone@v{first + 1}"]
-    deadline = time.time() + 60
-    while not running and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: running, 60, "the request on the retired adapter")
     assert running[0].status is GenStatus.ABORTED_STALE
     assert engine.live_versions("gone") == [] and not ids & set(engine.engine_lora_ids())
     assert greedy(engine, "a", PROMPTS[0]).version == other  # the other adapters serve on

@@ -50,6 +50,10 @@ def test_plain_calls_overlap_in_their_own_processes(module):
 def test_a_timed_out_plain_call_loses_only_its_process(module):
     pool = GuardedPool(f"{module}:nap", timeout_s=1.0, size=2)
     try:
+        # both workers started first: the quick call then waits for no process to start, only
+        # for one beside the slow call's (or, wrongly, behind it)
+        assert all(f.result().ok for f in [pool.submit(seconds=0.5), pool.submit(seconds=0.5)])
+        assert pool.processes == 2
         slow, quick = pool.submit(seconds=60), pool.submit(seconds=0)
         quick_out = quick.result()
         assert quick_out.ok and not slow.done()  # the quick call did not wait behind the slow one

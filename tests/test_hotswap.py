@@ -4,8 +4,6 @@ what vLLM's own build and activation would; anything else takes vLLM's own path.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from lora_async.adapters import save_peft_dir
 from lora_async.generator.types import GenRequest
 from lora_async.generator.validate import AdapterError
 
-from .helpers import GREEDY, PROMPTS, generate, greedy, next_version, publish, random_adapter
+from .helpers import GREEDY, PROMPTS, generate, greedy, next_version, publish, random_adapter, wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -237,8 +235,8 @@ def test_a_version_in_flight_is_never_recycled(engine, tiny_model):
     alone = greedy(engine, "c", prompt, max_tokens=400).samples[0].token_ids
     pinned = registered_model(engine, first.int_id)
     box = []
+    # Commands run in order on the engine thread: the request is added (on v_k) before any publish.
     engine.submit(GenRequest(prompt, "c", max_tokens=400, min_tokens=400, **GREEDY), box.append)
-    time.sleep(0.05)
     before = hotswap_stats(engine)
     stats = [publish(engine, weights[3])]
     reference = greedy(engine, "c", PROMPTS[1], max_tokens=8).samples[0]  # v_k+1, the newest
@@ -251,9 +249,7 @@ def test_a_version_in_flight_is_never_recycled(engine, tiny_model):
     assert all(f"c@v{k}" not in s.retired for s in stats)  # in flight, so still registered
     assert on_previous.version == k + 1 and on_previous.samples[0].token_ids == reference.token_ids
     assert on_previous.samples[0].logprobs == pytest.approx(reference.logprobs, abs=1e-4)
-    deadline = time.time() + 120
-    while not box and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: box, 120, "the request on v_k")
     assert box[0].version == k and box[0].samples[0].token_ids == alone
 
 

@@ -30,13 +30,20 @@ def test_directory_without_config_is_an_error(tmp_path):
         resolve_model(str(tmp_path))
 
 
-def test_tiny_model_builds_quickly_and_is_cached(tokenizer_dir, tmp_path):
-    import time
+def test_tiny_model_is_tiny_and_built_once(tokenizer_dir, tmp_path, monkeypatch):
+    import json
 
-    started = time.time()
+    import transformers
+
     path = build_tiny_model(tmp_path / "t", tokenizer_dir)
-    assert time.time() - started < 60
     assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    config = json.loads((path / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"]) == (2, 128)
+
+    def load(*args, **kwargs):
+        raise AssertionError("the built model was built again")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", load)  # the build's first step
     assert build_tiny_model(tmp_path / "t", tokenizer_dir) == path
 
 

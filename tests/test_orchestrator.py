@@ -111,7 +111,6 @@ def test_admission_keeps_every_sample_within_max_staleness(tmp_path, staleness):
     if staleness == 0:  # synchronous: nothing generates while the learner trains
         assert all(t.in_flight == 0 for t in trained)
     else:  # asynchronous: generation runs ahead of the learner, within the bound
-        assert max(lags) == staleness or any(t.in_flight > 0 for t in trained)
         assert any(t.in_flight > 0 for t in trained)
     # admission, not the buffer's stale drop, bounds the lag: little generated work is thrown
     # away (without it producers run far ahead: ~1,800 samples for these 64 trained)

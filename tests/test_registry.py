@@ -229,11 +229,18 @@ def test_a_version_in_flight_is_retired_only_once_it_drains():
     assert register(delivery("a", 2)).retired == ["a@v0", "a@v1"]
 
 
-def test_waits_are_kept_apart_from_the_work():
-    """The engine's queue wait and the replicas' reported wait are `wait_ms`, not `ms`."""
+def test_waits_are_kept_apart_from_the_work(monkeypatch):
+    """The engine's queue wait and the replicas' reported wait are `wait_ms`, not `ms`: of a
+    hand-off that took 80 ms from its tensors being ready, 20 + 30 waiting, 30 were work."""
+    from types import SimpleNamespace
+
+    from lora_async.generator import registry as registry_module
+
     reg, receiver, stats, register = registrar()
-    published = register(delivery("a", 0, wait_ms=30.0), waited_ms=20.0)
-    assert published.wait_ms == 50.0 and published.ms < published.wait_ms
+    handed = delivery("a", 0, wait_ms=30.0)
+    monkeypatch.setattr(registry_module, "time", SimpleNamespace(perf_counter=lambda: handed.started + 0.080))
+    published = register(handed, waited_ms=20.0)
+    assert published.wait_ms == 50.0 and published.ms == pytest.approx(30.0)
 
 
 def test_make_room_runs_under_the_lock_when_full_and_the_load_runs_outside_it():

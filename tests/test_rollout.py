@@ -24,6 +24,7 @@ from lora_async.rollout import GroupRollout, RolloutContext
 from lora_async.tasks import make_source
 
 from .fakes import ByteTokenizer, FakeGenerator
+from .helpers import wait_for_async
 
 ENVS = '''
 from lora_async.envs import Env, StepResult, user
@@ -241,7 +242,8 @@ def test_a_single_turn_group_cut_short_by_a_step(tmp_path, partial):
     """Against the fake engine: `abort_older` while the group generates. With partial rollouts it
     comes back stopped (the fake keeps one completion's first half; the others had not begun) and
     goes on on the newest version; without, the group is dropped as stale."""
-    fake = FakeGenerator(lambda: 0.1, [], reply=lambda request, rng: "xabc")
+    delays = iter([60.0])  # the group's request generates until the step stops it; the rest 0.1 s
+    fake = FakeGenerator(lambda: next(delays, 0.1), [], reply=lambda request, rng: "xabc")
     fake.live["main"] = [0]
     config = single_turn(tmp_path)
     source = make_source(config.adapter_specs[0], config, seed=0)
@@ -250,7 +252,7 @@ def test_a_single_turn_group_cut_short_by_a_step(tmp_path, partial):
     async def scenario() -> GroupRollout:
         running = asyncio.create_task(source.rollout(0, RolloutContext(generate, ByteTokenizer(), ROLLOUT_TAG,
                                                                        partial=partial)))
-        await asyncio.sleep(0.03)
+        await wait_for_async(lambda: fake.in_flight("main"), 60, "the group's request to reach the generator")
         fake.live["main"].append(1)  # a step published v1 and stops what v1 leaves outside the window
         fake.abort_older("main", 1, ROLLOUT_TAG)
         return await running

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ import torch
 
 from lora_async.config import load_config
 from lora_async.metrics import STEP_KEYS, read_metrics
+
+from .helpers import wait_for_run
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +114,8 @@ def test_tiny_model_learns_a_trivial_reward(in_tmp, tiny_model):
     first = sum(r["reward_mean"] for r in rows[:3]) / 3
     last = sum(r["reward_mean"] for r in rows[-3:]) / 3
     assert first < 0.6 and last > 0.75 and last > first + 0.3, f"reward did not rise: {first:.2f} -> {last:.2f}"
-    assert rows[-1]["version"] >= 5  # it got there by updates, published as new versions
+    updates = sum(r["updated"] for r in rows)  # once it has learned, groups are flat and steps skip
+    assert updates >= 2 and rows[-1]["version"] == updates  # it got there by updates, each a new version
 
 
 def test_a_dead_engine_stops_the_run_with_a_clear_error_and_a_checkpoint(in_tmp, tiny_model):
@@ -150,13 +152,11 @@ def test_sigkill_then_resume_continues_versions_and_restores_state(in_tmp, tiny_
     cmd = [sys.executable, "-m", "lora_async", "train", str(config)]
     proc = subprocess.Popen(cmd, env=env, cwd=in_tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     latest = out / "checkpoints" / "LATEST"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if latest.is_file() and latest.read_text().strip() >= "step-000003":
-            break
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
+    try:
+        wait_for_run(proc, lambda: latest.is_file() and latest.read_text().strip() >= "step-000003",
+                     "the checkpoint of step 3")
+    finally:
+        proc.send_signal(signal.SIGKILL)
     proc.wait()
     name = latest.read_text().strip()
     saved = in_tmp / "saved-checkpoint"

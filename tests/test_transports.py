@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import time
 
 import pytest
 
@@ -158,10 +156,8 @@ def test_a_receiver_that_stops_answering_times_out_with_a_clear_error(separate_e
         return load
 
     stalled._loader = never_receives
-    began = time.monotonic()
-    with pytest.raises(TransportError, match="did not take x@v.* within 3 s"):
+    with pytest.raises(TransportError, match="did not take x@v.* within 3 s"):  # its own timeout, not a hang
         stalled.publish(random_adapter(tiny_model, "x", 50, seed=3))
-    assert time.monotonic() - began < 30
     with pytest.raises(TransportError, match="unusable after an earlier fault"):
         stalled.publish(random_adapter(tiny_model, "x", 51, seed=3))
 
@@ -206,14 +202,20 @@ def test_http_transport_serves_what_inproc_serves(server, tiny_model, tmp_path, 
     assert generator.served_names() == [[]]  # closing unloads what the run loaded
 
 
-def test_a_down_server_gets_bounded_retries_then_a_clear_error(tmp_path):
-    from lora_async.generator.server import ServerClient, ServerError
+def test_a_down_server_gets_bounded_retries_then_a_clear_error(tmp_path, monkeypatch):
+    from types import SimpleNamespace
 
+    from lora_async.generator.server import ServerClient, ServerError, client as client_module
+
+    # The client's clock: it moves only by the waits between attempts (each connection is refused
+    # at once), so what is counted is the backoff against the budget, not this machine's speed.
+    now, waits = [0.0], []
+    monkeypatch.setattr(client_module, "time", SimpleNamespace(
+        monotonic=lambda: now[0], sleep=lambda s: (waits.append(s), now.__setitem__(0, now[0] + s))))
     client = ServerClient([f"http://127.0.0.1:{free_port()}"], retry_budget_s=1.5)
-    began = time.monotonic()
-    with pytest.raises(ServerError, match=r"failed after [2-9]\d* attempt\(s\) in 2 s: ConnectionError"):
+    with pytest.raises(ServerError, match=r"failed after 4 attempt\(s\) in 2 s: ConnectionError"):
         client.post(client.urls[0], "/v1/load_lora_adapter", {"lora_name": "a@v0", "lora_path": "/x"})
-    assert 1.0 < time.monotonic() - began < 10
+    assert waits == [0.2, 0.4, 0.8]  # doubling; a fourth wait (1.6 s) would pass the 1.5 s budget
 
 
 def test_one_replica_failing_rolls_every_replica_back(server, tiny_model, tmp_path):
@@ -304,28 +306,3 @@ def test_training_through_shm_into_a_separate_engine_survives_a_corrupted_versio
     onpolicy = [r["logprob_mismatch_onpolicy"] for r in rows if r["logprob_mismatch_onpolicy"] is not None]
     assert onpolicy and all(m < 0.1 for m in onpolicy)  # what crossed intact is what was trained
 
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not _cuda(), reason="cuda-ipc and nccl need a CUDA GPU")
-@pytest.mark.parametrize("kind", ["cuda-ipc", "nccl"])
-def test_gpu_transport_half_is_bit_exact(kind):
-    """Sender and receiver processes on one GPU host (torch only): every tensor arrives intact."""
-    import sys
-
-    import torch
-
-    from .conftest import REPO
-
-    if kind == "nccl" and torch.cuda.device_count() < 2:
-        pytest.skip("nccl needs 2 GPUs: NCCL refuses two ranks on one device")
-
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_transport_check.py"), "--only", kind],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    row = json.loads(done.stdout.strip().splitlines()[-1])
-    assert row["transport"] == kind and row["all_bit_exact"]

@@ -195,11 +195,11 @@ class RayGenerator(ReplicaVersions):
 
         return ray.get([r.actor.ping.remote() for r in self.replicas], timeout=PING_TIMEOUT_S)
 
-    def call_replica(self, index: int, method: str, *args: Any) -> Any:
-        """Call a replica actor's method and wait (tests, benchmarks)."""
+    def call_replica(self, index: int, method: str, *args: Any, timeout_s: float = PING_TIMEOUT_S * 4) -> Any:
+        """Call a replica actor's method and wait up to `timeout_s` (tests, benchmarks)."""
         import ray
 
-        return ray.get(getattr(self.replicas[index].actor, method).remote(*args), timeout=PING_TIMEOUT_S * 4)
+        return ray.get(getattr(self.replicas[index].actor, method).remote(*args), timeout=timeout_s)
 
     def routable(self) -> list[int]:
         return [r.index for r in self.replicas if r.routable]

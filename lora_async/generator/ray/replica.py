@@ -52,6 +52,7 @@ class Replica:
         self.incarnation = uuid.uuid4().hex  # a new one each time Ray (re)starts this actor
         self.generator: VllmGenerator | None = None
         self.started_s: float | None = None
+        self.in_flight = 0  # `generate` calls this incarnation holds (received, not yet answered)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self, slot: int | None, cores: int) -> dict:
@@ -87,9 +88,10 @@ class Replica:
         return VllmGenerator(spec, Placement("cpu", frozenset(share) if len(share) == cores else None))
 
     def ping(self) -> dict:
-        """Who this is (the incarnation changes on restart) and what it has done."""
+        """Who this is (the incarnation changes on restart), what it has done, and how many requests
+        it holds now (`in_flight`)."""
         info = {"index": self.index, "incarnation": self.incarnation, "pid": os.getpid(), "started": False,
-                "node": _node_id()}
+                "node": _node_id(), "in_flight": self.in_flight}
         gen = self.generator
         if gen is not None:
             stats = gen.stats
@@ -142,11 +144,15 @@ class Replica:
         def done(result: GenResult) -> None:  # on the engine thread
             loop.call_soon_threadsafe(settle, result)
 
+        self.in_flight += 1
         try:
             gen.submit(request, done)
         except GeneratorDead as exc:
             self._die(str(exc))
-        result: GenResult = await future
+        try:
+            result: GenResult = await future
+        finally:
+            self.in_flight -= 1
         if result.status is GenStatus.ENGINE_DEAD:
             self._die(result.error or "the engine died")
         return result
