@@ -3,13 +3,17 @@
 `HotSwap` is one worker's registrar. The first version of a structure (tensor names, shapes,
 peft config) is built the normal way (`LoRAModel.from_lora_tensors`, `add_adapter`, vLLM's
 activation), and from that build it learns the plans of `swap_plans.py`: where each tensor
-lands in the merged `LoRAModel` (`ModelPlan`) and in the engine's LoRA slots (`SlotPlan`).
-Later versions of that structure are copied into a retired version's `LoRAModel` (a `Spare`),
-take the new int id, are registered with `add_adapter` (a no-op merge on a merged model) and
-are activated into a free slot by two foreach copies.
+lands in the merged `LoRAModel` (`ModelPlan`) and in the engine's LoRA slots (`SlotPlan`), and
+lays the slots out as the plan. A later version of that structure takes a retired version's
+`LoRAModel` (a `Spare`) and the new int id, is registered with `add_adapter` (a no-op merge on
+a merged model), and is written straight into a free slot: one copy from the sender's buffer
+(one per tensor when it has none), the lora_B scaling, one value check on the copy. vLLM only
+reads a `LoRAModel` to activate it, so this one is filled from its slot only if vLLM ever
+frees that slot while the version is live (its LRU eviction; `_watch_evictions`). Without a
+free slot, the version is copied into the spare instead, and vLLM activates it on first use.
 
-Anything else (first version, another structure, unknown layers, no spare, no free slot, a
-plan that failed its check) takes vLLM's own path. Every vLLM internal used here is checked by
+Anything else (first version, another structure, unknown layers, no spare, a plan that failed
+its check) takes vLLM's own path. Every vLLM internal used here is checked by
 `compat.check_vllm_compat()`.
 """
 
@@ -22,9 +26,9 @@ from typing import Any
 
 import torch
 
-from ..validate import finite_flat
+from ..validate import finite_flat, servable
 from . import compat
-from .swap_plans import ModelPlan, SlotPlan, Spare, weight_at
+from .swap_plans import ModelPlan, SlotPlan, SlotViews, Spare, weight_at
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,8 @@ class SwapCounts:
     recycled: int = 0  # copied into a retired version's LoRAModel
     one_copy: int = 0  # ... of those, with one copy from the sender's flat buffer
     fast_activated: int = 0  # written into a free slot by the slot plan
+    straight: int = 0  # ... of those, from the sender's tensors (its LoRAModel filled only if vLLM evicts it)
+    filled_from_slot: int = 0  # LoRAModels filled from their slot as vLLM evicted them
     vllm_activated: int = 0  # activated by vLLM's `activate_adapter` (to check the slot plan)
 
 
@@ -72,23 +78,27 @@ class InvalidValues(ValueError):
 
 
 class HotSwap:
-    """One worker's registrations: learned plans by structure, spare models, live ids."""
+    """One worker's registrations: learned plans by structure, spare models, live ids, and the
+    versions that live in their slot only."""
 
     def __init__(self) -> None:
         self.plans: dict[tuple, ModelPlan | None] = {}  # None: this structure is never recycled
         self.spares: dict[tuple, list[Spare]] = {}
         self.live: dict[int, tuple[tuple, Spare | None]] = {}  # registered here: structure, spare it reuses
+        # written straight into a slot, their LoRAModel not filled: the slot's views, the spare it took
+        self.in_slot: dict[int, tuple[SlotViews, Spare]] = {}
         self.seen: set[int] = set()
         self.stats = SwapCounts()
+        self.watching: Any = None  # the cache of active adapters whose evictions `_watch_evictions` sees
 
     def add(self, manager: Any, int_id: int, tensors: dict, peft_config: dict, borrowed: bool = False,
             flat: torch.Tensor | None = None) -> None:
         """Register `int_id`: recycled when a plan and a spare exist, else built by vLLM's path.
 
         `borrowed`: the tensors stay the sender's (in-process): they are copied before anything
-        keeps them, and their values are checked on that copy (`InvalidValues`). `flat`: the
-        buffer they are views of, in order (`AdapterVersion.flat`): one copy instead of one per
-        tensor when it matches the plan's layout."""
+        keeps them, and their values are checked (`InvalidValues`). `flat`: the buffer they are
+        views of, in order (`AdapterVersion.flat`): one check, and one copy instead of one per
+        tensor when a spare is filled."""
         cache = manager._adapter_manager
         if int_id in self.seen or int_id in cache.list_adapters():
             raise ValueError(f"LoRA id {int_id} was registered before; ids are never reused")
@@ -99,28 +109,69 @@ class HotSwap:
         key = structure_key(tensors, peft_config)
         plan = self.plans.get(key)
         spare = self.spares[key].pop() if plan is not None and self.spares.get(key) else None
-        if spare is not None:
-            assert plan is not None
-            self.stats.one_copy += plan.fill(spare, tensors, flat)
-            if borrowed and not finite_flat(spare.flat):
-                self.spares[key].append(spare)  # unregistered: its next fill overwrites it
-                raise InvalidValues("tensors contain NaN or Inf")
-            model = spare.model
-            model.id = int_id
-            cache.add_adapter(model)
-            self.stats.recycled += 1
-        else:
-            sources = [flat] if flat is not None else tensors.values()
-            if borrowed and not all(finite_flat(t) for t in sources):
+        if spare is None:
+            if borrowed and not self._servable(tensors, flat, manager.lora_config.lora_dtype):
                 raise InvalidValues("tensors contain NaN or Inf")
             model = self._build(manager, key, int_id, tensors, peft_config, borrowed)
             self.stats.built += 1
+            self.live[int_id] = (key, None)
+            self._activate(cache, self.plans.get(key), model)
+            return
+        assert plan is not None
+        slot = self._free_slot(cache, plan)
+        try:
+            if slot is None:  # vLLM activates it from its LoRAModel: fill that
+                self.stats.one_copy += plan.fill(spare, tensors, flat)
+                if borrowed and not finite_flat(spare.flat):
+                    raise InvalidValues("tensors contain NaN or Inf")
+            else:  # straight into the free slot; its LoRAModel is filled only if vLLM evicts it
+                self._write_slot(slot[1], plan, tensors, flat, borrowed, manager.lora_config.lora_dtype)
+        except InvalidValues:
+            self.spares[key].append(spare)  # unregistered: its next fill overwrites it
+            raise
+        model = spare.model
+        model.id = int_id
+        cache.add_adapter(model)
+        self.stats.recycled += 1
         self.live[int_id] = (key, spare)
-        self._activate(cache, self.plans.get(key), model, spare)
+        if slot is None:
+            self._activate(cache, plan, model, spare)
+            return
+        if spare.slot_src is None:
+            spare.slot_src = [spare.views[p] for p in plan.slot_positions]
+        self._watch_evictions(cache)
+        self.in_slot[int_id] = (slot[1], spare)
+        self._mark_active(cache, slot[0], int_id)
+        self.stats.fast_activated += 1
+        self.stats.straight += 1
+
+    def _write_slot(self, views: SlotViews, plan: ModelPlan, tensors: dict, flat: torch.Tensor | None,
+                    borrowed: bool, dtype: torch.dtype) -> None:
+        """Write a version into a free slot as vLLM's build and activation would (the same
+        operations in the same dtype). With the slots laid out as the plan and the sender's
+        tensors in one buffer laid out alike: one copy, the lora_B scaling, and one value check
+        on the copy; else one copy per tensor, the values checked on the sender's first."""
+        region = views.region
+        if region is not None and plan.dense_source(tensors, flat, region.numel()):
+            assert flat is not None
+            with torch.no_grad():
+                if views.zeros:
+                    torch._foreach_zero_(views.zeros)
+                region.copy_(flat)  # casts as .to(dtype)
+                for start, end, factor in plan.scale:
+                    region[start:end].mul_(factor)  # lora_B *= scaling, as LoRALayerWeights.optimize
+            self.stats.one_copy += 1
+            if borrowed and not finite_flat(region):
+                raise InvalidValues("tensors contain NaN or Inf")  # the slot stays free
+            return
+        if borrowed and not self._servable(tensors, flat, dtype):
+            raise InvalidValues("tensors contain NaN or Inf")
+        SlotPlan.write(views, [tensors[name] for name in plan.slot_names], scale=True)
 
     def remove(self, manager: Any, int_id: int) -> bool:
         """Remove `int_id`; keep its LoRAModel as a spare (vLLM holds no reference any more)."""
         model = manager._adapter_manager.get_adapter(int_id)
+        self.in_slot.pop(int_id, None)  # retired: nothing will read its weights again
         removed = bool(manager.remove_adapter(int_id))
         key, spare = self.live.pop(int_id, ((), None))
         plan = self.plans.get(key)
@@ -129,6 +180,48 @@ class HotSwap:
             if len(spares) < SPARES_PER_STRUCTURE:
                 spares.append(spare if spare is not None else plan.spare(model))
         return removed
+
+    @staticmethod
+    def _servable(tensors: dict, flat: torch.Tensor | None, dtype: torch.dtype) -> bool:
+        """The sender's values hold no NaN or Inf, nor any the cast to vLLM's `dtype` would make."""
+        return all(servable(t, dtype) for t in ([flat] if flat is not None else tensors.values()))
+
+    def _free_slot(self, cache: Any, plan: ModelPlan) -> tuple[int, SlotViews] | None:
+        """A free slot and its views, once the slot plan is trusted (else vLLM activates)."""
+        if plan.slots is None or plan.slots.trusted is not True or None not in cache.lora_index_to_id:
+            return None
+        index = cache.lora_index_to_id.index(None)
+        return index, plan.slots.at(cache, plan, index)
+
+    @staticmethod
+    def _mark_active(cache: Any, index: int, int_id: int) -> None:
+        """What `activate_adapter` records around its `set_lora` calls."""
+        cache._active_adapters[int_id] = None
+        cache.lora_index_to_id[index] = int_id
+
+    def _watch_evictions(self, cache: Any) -> None:
+        """Have vLLM tell us before it frees a slot (`AdapterLRUCache` calls `deactivate_fn`
+        on every removal, its LRU eviction in `activate_adapter` included): a version written
+        straight into its slot gets its LoRAModel filled from the slot first, so vLLM can
+        activate it again from there."""
+        active = cache._active_adapters
+        if self.watching is active:
+            return
+        self.watching, release = active, active.deactivate_fn
+
+        def deactivate(int_id: int) -> object:
+            entry = self.in_slot.pop(int_id, None)
+            if entry is not None:
+                views, spare = entry
+                with torch.no_grad():
+                    if views.region is not None:
+                        spare.flat.copy_(views.region)  # both laid out as the plan
+                    else:
+                        torch._foreach_copy_(spare.slot_src or [], views.writes)
+                self.stats.filled_from_slot += 1
+            return release(int_id)
+
+        active.deactivate_fn = deactivate
 
     def _build(self, manager: Any, key: tuple, int_id: int, tensors: dict, peft_config: dict,
                borrowed: bool = False) -> Any:
@@ -163,14 +256,14 @@ class HotSwap:
                         "structure are registered the normal way")
             plan = None
         if plan is not None:
-            plan.slots = SlotPlan.learn(cache, plan)
+            plan.learn_slots(cache)
         self.plans[key] = plan
         return model
 
-    def _activate(self, cache: Any, plan: ModelPlan | None, model: Any, spare: Spare | None) -> None:
-        """Put a new version in a free slot now, by foreach copies once the slot plan is trusted;
-        the first time through vLLM's own activation, read back to trust the plan. Without a
-        free slot (or a plan) vLLM activates it on first use, as it always has."""
+    def _activate(self, cache: Any, plan: ModelPlan | None, model: Any, spare: Spare | None = None) -> None:
+        """Put a version whose LoRAModel is filled in a free slot now: the first time through
+        vLLM's own activation, read back to trust the slot plan; then by foreach copies.
+        Without a free slot (or a plan) vLLM activates it on first use, as it always has."""
         slots = plan.slots if plan is not None else None
         if plan is None or slots is None or slots.trusted is False or None not in cache.lora_index_to_id:
             return
@@ -183,18 +276,9 @@ class HotSwap:
             if not slots.trusted:
                 log.warning("lora-async: vLLM's LoRA slots are laid out differently than expected; "
                             "versions are activated the normal way")
+            else:
+                slots.lay_out(cache, plan)
             return
-        if spare is None:
-            source = [tensors[p] for p in slots.positions]
-        else:
-            if spare.slot_src is None:
-                spare.slot_src = [spare.views[p] for p in slots.positions]
-            source = spare.slot_src
-        writes, zeros = slots.at(cache, plan, index)
-        cache._active_adapters[model.id] = None  # what activate_adapter records before set_lora
-        cache.lora_index_to_id[index] = model.id
-        with torch.no_grad():
-            if zeros:
-                torch._foreach_zero_(zeros)
-            torch._foreach_copy_(writes, source)
+        SlotPlan.write(slots.at(cache, plan, index), [tensors[p] for p in slots.positions], scale=False)
+        self._mark_active(cache, index, model.id)
         self.stats.fast_activated += 1
