@@ -92,13 +92,14 @@ class HotSwap:
         self.watching: Any = None  # the cache of active adapters whose evictions `_watch_evictions` sees
 
     def add(self, manager: Any, int_id: int, tensors: dict, peft_config: dict, borrowed: bool = False,
-            flat: torch.Tensor | None = None) -> None:
+            flat: torch.Tensor | None = None, structure: tuple | None = None) -> None:
         """Register `int_id`: recycled when a plan and a spare exist, else built by vLLM's path.
 
         `borrowed`: the tensors stay the sender's (in-process): they are copied before anything
         keeps them, and their values are checked (`InvalidValues`). `flat`: the buffer they are
         views of, in order (`AdapterVersion.flat`): one check, and one copy instead of one per
-        tensor when a spare is filled."""
+        tensor when a spare is filled. `structure`: the sender's `AdapterVersion.structure` of
+        these tensors (else the key is built here)."""
         cache = manager._adapter_manager
         if int_id in self.seen or int_id in cache.list_adapters():
             raise ValueError(f"LoRA id {int_id} was registered before; ids are never reused")
@@ -106,7 +107,7 @@ class HotSwap:
             raise RuntimeError(f"vLLM's LoRA cache is full ({len(cache)}/{cache.capacity}); "
                                "retire a version before publishing another")
         self.seen.add(int_id)
-        key = structure_key(tensors, peft_config)
+        key = ("sender", structure) if structure is not None else structure_key(tensors, peft_config)
         plan = self.plans.get(key)
         spare = self.spares[key].pop() if plan is not None and self.spares.get(key) else None
         if spare is None:
