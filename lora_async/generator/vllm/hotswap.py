@@ -65,8 +65,8 @@ class SwapCounts:
     """How one worker registered and activated versions (what `bench sync` and the tests read)."""
 
     built: int = 0  # by vLLM's own path (`from_lora_tensors` + `add_adapter`)
-    recycled: int = 0  # copied into a retired version's LoRAModel
-    one_copy: int = 0  # ... of those, with one copy from the sender's flat buffer
+    recycled: int = 0  # took a retired version's LoRAModel
+    one_copy: int = 0  # ... of those, copied in (to its slot or that model) with one copy of the sender's buffer
     fast_activated: int = 0  # written into a free slot by the slot plan
     straight: int = 0  # ... of those, from the sender's tensors (its LoRAModel filled only if vLLM evicts it)
     filled_from_slot: int = 0  # LoRAModels filled from their slot as vLLM evicted them
@@ -89,7 +89,7 @@ class HotSwap:
         self.in_slot: dict[int, tuple[SlotViews, Spare]] = {}
         self.seen: set[int] = set()
         self.stats = SwapCounts()
-        self.watching: Any = None  # the cache of active adapters whose evictions `_watch_evictions` sees
+        self.watching: object = None  # the cache of active adapters whose evictions `_watch_evictions` sees
 
     def add(self, manager: Any, int_id: int, tensors: dict, peft_config: dict, borrowed: bool = False,
             flat: torch.Tensor | None = None, structure: tuple | None = None) -> None:

@@ -181,7 +181,7 @@ class SlotPlan:
         Each module keeps stacked tensors of the same shapes and dtype, now views of the buffer;
         the layers read them at each call (`compat.HOTSWAP_SOURCES`). Only where each tensor fills
         its block (the adapter's rank is the engine's), on a CPU (CUDA graphs keep addresses)."""
-        blocks: dict[int, Any] = {}  # plan entry -> the stacked tensor it is written into
+        blocks: dict[int, torch.Tensor] = {}  # plan entry -> the stacked tensor it is written into
         for name, s, a, b in self.writes:
             module = cache.modules[name]
             blocks[a], blocks[b] = module.lora_a_stacked[s], module.lora_b_stacked[s]
