@@ -123,16 +123,6 @@ def finite_flat(flat: torch.Tensor) -> bool:
     return bool(torch.isfinite(total))
 
 
-def servable(values: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether `values` hold no NaN or Inf, and make none when cast to `dtype` (a serving dtype of
-    narrower range than theirs, float16 from float32 or bfloat16: one min/max pass, which NaN fails)."""
-    if torch.finfo(dtype).max * 2 >= torch.finfo(values.dtype).max:
-        return finite_flat(values)
-    low, high = torch.aminmax(values)
-    limit = torch.finfo(dtype).max
-    return bool(low >= -limit) and bool(high <= limit)
-
-
 def validate_adapter(version: AdapterVersion, shapes: BaseShapes, max_rank: int,
                      check_values: bool = True) -> None:
     """Raise AdapterError naming the first problem; return None when the version is servable.

@@ -5,12 +5,12 @@ peft config) is built the normal way (`LoRAModel.from_lora_tensors`, `add_adapte
 activation), and from that build it learns the plans of `swap_plans.py`: where each tensor
 lands in the merged `LoRAModel` (`ModelPlan`) and in the engine's LoRA slots (`SlotPlan`), and
 lays the slots out as the plan. A later version of that structure takes a retired version's
-`LoRAModel` (a `Spare`) and the new int id, is registered with `add_adapter` (a no-op merge on
-a merged model), and is written straight into a free slot: one copy from the sender's buffer
-(one per tensor when it has none), the lora_B scaling, one value check on the copy. vLLM only
-reads a `LoRAModel` to activate it, so this one is filled from its slot only if vLLM ever
-frees that slot while the version is live (its LRU eviction; `_watch_evictions`). Without a
-free slot, the version is copied into the spare instead, and vLLM activates it on first use.
+`LoRAModel` (a `Spare`) and the new int id, and is registered with `add_adapter` (a no-op merge
+on a merged model). Sent as one buffer (as the learner hands versions over), it is written
+straight into a free slot: one copy, the lora_B scaling, one value check on the copy. vLLM only
+reads a `LoRAModel` to activate it, so that one is filled from the slot only if vLLM frees the
+slot while the version is live (its LRU eviction; `_watch_evictions`). Otherwise the version is
+copied into the spare, then into a free slot by foreach copies (or by vLLM on first use).
 
 Anything else (first version, another structure, unknown layers, no spare, a plan that failed
 its check) takes vLLM's own path. Every vLLM internal used here is checked by
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..validate import finite_flat, servable
+from ..validate import finite_flat
 from . import compat
 from .swap_plans import ModelPlan, SlotPlan, SlotViews, Spare, weight_at
 
@@ -97,8 +97,8 @@ class HotSwap:
 
         `borrowed`: the tensors stay the sender's (in-process): they are copied before anything
         keeps them, and their values are checked (`InvalidValues`). `flat`: the buffer they are
-        views of, in order (`AdapterVersion.flat`): one check, and one copy instead of one per
-        tensor when a spare is filled. `structure`: the sender's `AdapterVersion.structure` of
+        views of, in order (`AdapterVersion.flat`): one copy instead of one per tensor, into a
+        free slot or a spare, and one value check. `structure`: the sender's `AdapterVersion.structure` of
         these tensors (else the key is built here)."""
         cache = manager._adapter_manager
         if int_id in self.seen or int_id in cache.list_adapters():
@@ -111,7 +111,8 @@ class HotSwap:
         plan = self.plans.get(key)
         spare = self.spares[key].pop() if plan is not None and self.spares.get(key) else None
         if spare is None:
-            if borrowed and not self._servable(tensors, flat, manager.lora_config.lora_dtype):
+            sources = [flat] if flat is not None else tensors.values()
+            if borrowed and not all(finite_flat(t) for t in sources):
                 raise InvalidValues("tensors contain NaN or Inf")
             model = self._build(manager, key, int_id, tensors, peft_config, borrowed)
             self.stats.built += 1
@@ -119,14 +120,15 @@ class HotSwap:
             self._activate(cache, self.plans.get(key), model)
             return
         assert plan is not None
-        slot = self._free_slot(cache, plan)
+        slot = self._free_region(cache, plan, tensors, flat)
         try:
-            if slot is None:  # vLLM activates it from its LoRAModel: fill that
+            if slot is None:  # into the spare; then a free slot as vLLM's activation would, or vLLM on first use
                 self.stats.one_copy += plan.fill(spare, tensors, flat)
                 if borrowed and not finite_flat(spare.flat):
                     raise InvalidValues("tensors contain NaN or Inf")
-            else:  # straight into the free slot; its LoRAModel is filled only if vLLM evicts it
-                self._write_slot(slot[1], plan, tensors, flat, borrowed, manager.lora_config.lora_dtype)
+            else:  # straight into the free slot; its LoRAModel is filled only if vLLM frees the slot
+                assert flat is not None
+                self._write_region(slot[1], plan, flat, borrowed)
         except InvalidValues:
             self.spares[key].append(spare)  # unregistered: its next fill overwrites it
             raise
@@ -138,36 +140,28 @@ class HotSwap:
         if slot is None:
             self._activate(cache, plan, model, spare)
             return
-        if spare.slot_src is None:
-            spare.slot_src = [spare.views[p] for p in plan.slot_positions]
         self._watch_evictions(cache)
         self.in_slot[int_id] = (slot[1], spare)
         self._mark_active(cache, slot[0], int_id)
         self.stats.fast_activated += 1
         self.stats.straight += 1
 
-    def _write_slot(self, views: SlotViews, plan: ModelPlan, tensors: dict, flat: torch.Tensor | None,
-                    borrowed: bool, dtype: torch.dtype) -> None:
-        """Write a version into a free slot as vLLM's build and activation would (the same
-        operations in the same dtype). With the slots laid out as the plan and the sender's
-        tensors in one buffer laid out alike: one copy, the lora_B scaling, and one value check
-        on the copy; else one copy per tensor, the values checked on the sender's first."""
-        region = views.region
-        if region is not None and plan.dense_source(tensors, flat, region.numel()):
-            assert flat is not None
-            with torch.no_grad():
-                if views.zeros:
-                    torch._foreach_zero_(views.zeros)
-                region.copy_(flat)  # casts as .to(dtype)
-                for start, end, factor in plan.scale:
-                    region[start:end].mul_(factor)  # lora_B *= scaling, as LoRALayerWeights.optimize
-            self.stats.one_copy += 1
-            if borrowed and not finite_flat(region):
-                raise InvalidValues("tensors contain NaN or Inf")  # the slot stays free
-            return
-        if borrowed and not self._servable(tensors, flat, dtype):
+    def _write_region(self, views: SlotViews, plan: ModelPlan, flat: torch.Tensor, borrowed: bool) -> None:
+        """Write a version into a free slot laid out as the plan, from the sender's buffer laid
+        out alike, as vLLM's build and activation would: clear what it does not write, one copy
+        (`copy_` casts as `.to(dtype)`), lora_B `*= scaling` in the slot's dtype (as
+        `LoRALayerWeights.optimize`: the same operations, the same bits), then one value check
+        on the copy (a refused version leaves the slot free)."""
+        assert views.region is not None
+        with torch.no_grad():
+            if views.zeros:
+                torch._foreach_zero_(views.zeros)
+            views.region.copy_(flat)
+            for start, end, factor in plan.scale:
+                views.region[start:end].mul_(factor)
+        self.stats.one_copy += 1
+        if borrowed and not finite_flat(views.region):
             raise InvalidValues("tensors contain NaN or Inf")
-        SlotPlan.write(views, [tensors[name] for name in plan.slot_names], scale=True)
 
     def remove(self, manager: Any, int_id: int) -> bool:
         """Remove `int_id`; keep its LoRAModel as a spare (vLLM holds no reference any more)."""
@@ -182,17 +176,19 @@ class HotSwap:
                 spares.append(spare if spare is not None else plan.spare(model))
         return removed
 
-    @staticmethod
-    def _servable(tensors: dict, flat: torch.Tensor | None, dtype: torch.dtype) -> bool:
-        """The sender's values hold no NaN or Inf, nor any the cast to vLLM's `dtype` would make."""
-        return all(servable(t, dtype) for t in ([flat] if flat is not None else tensors.values()))
-
-    def _free_slot(self, cache: Any, plan: ModelPlan) -> tuple[int, SlotViews] | None:
-        """A free slot and its views, once the slot plan is trusted (else vLLM activates)."""
-        if plan.slots is None or plan.slots.trusted is not True or None not in cache.lora_index_to_id:
+    def _free_region(self, cache: Any, plan: ModelPlan, tensors: dict,
+                     flat: torch.Tensor | None) -> tuple[int, SlotViews] | None:
+        """A free slot and its views, where a version can be written straight into it: the slot
+        plan is trusted, the slots are laid out as the plan (`SlotPlan.lay_out`), and the
+        sender's tensors are one buffer laid out alike."""
+        slots = plan.slots
+        if slots is None or slots.trusted is not True or slots.slab is None or None not in cache.lora_index_to_id:
             return None
         index = cache.lora_index_to_id.index(None)
-        return index, plan.slots.at(cache, plan, index)
+        views = slots.at(cache, plan, index)
+        if views.region is None or not plan.dense_source(tensors, flat, views.region.numel()):
+            return None
+        return index, views
 
     @staticmethod
     def _mark_active(cache: Any, index: int, int_id: int) -> None:
@@ -211,14 +207,10 @@ class HotSwap:
         self.watching, release = active, active.deactivate_fn
 
         def deactivate(int_id: int) -> object:
-            entry = self.in_slot.pop(int_id, None)
-            if entry is not None:
-                views, spare = entry
+            views, spare = self.in_slot.pop(int_id, (None, None))
+            if views is not None and views.region is not None and spare is not None:
                 with torch.no_grad():
-                    if views.region is not None:
-                        spare.flat.copy_(views.region)  # both laid out as the plan
-                    else:
-                        torch._foreach_copy_(spare.slot_src or [], views.writes)
+                    spare.flat.copy_(views.region)  # both laid out as the plan
                 self.stats.filled_from_slot += 1
             return release(int_id)
 
@@ -257,7 +249,7 @@ class HotSwap:
                         "structure are registered the normal way")
             plan = None
         if plan is not None:
-            plan.learn_slots(cache)
+            plan.slots = SlotPlan.learn(cache, plan)
         self.plans[key] = plan
         return model
 
@@ -280,6 +272,12 @@ class HotSwap:
             else:
                 slots.lay_out(cache, plan)
             return
-        SlotPlan.write(slots.at(cache, plan, index), [tensors[p] for p in slots.positions], scale=False)
+        if spare is None:
+            source = [tensors[p] for p in slots.positions]
+        else:
+            if spare.slot_src is None:
+                spare.slot_src = [spare.views[p] for p in slots.positions]
+            source = spare.slot_src
+        SlotPlan.write(slots.at(cache, plan, index), source)
         self._mark_active(cache, index, model.id)
         self.stats.fast_activated += 1

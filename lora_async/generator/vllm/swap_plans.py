@@ -73,12 +73,10 @@ class Spare:
 @dataclass
 class SlotViews:
     """The views of one slot that a version's activation writes: `writes` (one per plan write,
-    `SlotPlan.positions` order), `zeros` (what it clears), `scaled` (the lora_B write views by
-    the factor vLLM folds into them, for a version written straight from the sender's tensors)."""
+    `SlotPlan.positions` order) and `zeros` (what it clears)."""
 
     writes: list[torch.Tensor]
     zeros: list[torch.Tensor]
-    scaled: list[tuple[float, list[torch.Tensor]]]
     region: torch.Tensor | None = None  # the slot's writes as one buffer in plan order (`SlotPlan.lay_out`)
 
 
@@ -150,10 +148,11 @@ class SlotPlan:
             self.views.clear()
             self.stacks = stacks
             self.slab = None
+            if self.trusted:  # another plan laid the slots out: alike, maybe (the same tensors)
+                self.lay_out(cache, plan, move=False)
         if index not in self.views:
             writes: list[torch.Tensor] = []
             zeros: list[torch.Tensor] = []
-            scaled: dict[float, list[torch.Tensor]] = {}
             for name, s, a, b in self.writes:
                 module = cache.modules[name]
                 for stack, p in ((module.lora_a_stacked[s], a), (module.lora_b_stacked[s], b)):
@@ -161,22 +160,21 @@ class SlotPlan:
                     slot = stack[index, 0]
                     writes.append(slot[:rows, :cols])
                     zeros += [v for v in (slot[rows:, :], slot[:rows, cols:]) if v.numel()]
-                    if plan.factors[p] != 1:
-                        scaled.setdefault(plan.factors[p], []).append(writes[-1])
             for name, part in self.zeroed:
                 module = cache.modules[name]
                 for stacked in (module.lora_a_stacked, module.lora_b_stacked):
                     group = list(stacked) if isinstance(stacked, (list, tuple)) else [stacked]
                     zeros += [stack[index] for stack in (group if part is None else [group[part]])]
             region = self.slab[index] if self.slab is not None else None
-            self.views[index] = SlotViews(writes, zeros, list(scaled.items()), region)
+            self.views[index] = SlotViews(writes, zeros, region)
         return self.views[index]
 
-    def lay_out(self, cache: Any, plan: "ModelPlan") -> bool:
+    def lay_out(self, cache: Any, plan: "ModelPlan", move: bool = True) -> bool:
         """Move the stacked tensors this plan writes into one slot-major buffer, each slot's part
         laid out as the plan (lora_A then lora_B, in the sender's order): a version then goes into
         a slot with one copy from the sender's flat buffer instead of one per tensor, and out of
-        it (`HotSwap`'s eviction) with one copy into its LoRAModel's flat buffer.
+        it (`HotSwap`'s eviction) with one copy into its LoRAModel's flat buffer. A buffer another
+        plan laid out alike is taken as it is; `move=False`: only that.
 
         Each module keeps stacked tensors of the same shapes and dtype, now views of the buffer;
         the layers read them at each call (`compat.HOTSWAP_SOURCES`). Only where each tensor fills
@@ -191,15 +189,21 @@ class SlotPlan:
         if any(tuple(stack.shape[2:]) != plan.shapes[p] or stack.device.type != "cpu" or stack.dtype != first.dtype
                or stack.shape[:2] != first.shape[:2] for p, stack in blocks.items()):
             return False
-        slots = first.shape[0]
-        slab = torch.empty(slots, sum(math.prod(shape) for shape in plan.shapes), dtype=first.dtype)
-        moved: dict[int, torch.Tensor] = {}
-        offset = 0
+        slots, sizes = first.shape[0], [math.prod(shape) for shape in plan.shapes]
+        starts = [sum(sizes[:p]) for p in range(len(sizes))]
+        base = first._base
+        if (base is not None and base.dim() == 2 and tuple(base.shape) == (slots, sum(sizes))
+                and all(blocks[p]._base is base and blocks[p].storage_offset() - base.storage_offset() == starts[p]
+                        for p in blocks)):
+            self.slab = base  # laid out alike already
+            self.views.clear()
+            return True
+        if not move:
+            return False
+        slab = torch.empty(slots, sum(sizes), dtype=first.dtype)
+        moved = {p: slab[:, starts[p]:starts[p] + sizes[p]].view(slots, 1, *plan.shapes[p]) for p in blocks}
         with torch.no_grad():
-            for p, shape in enumerate(plan.shapes):
-                moved[p] = slab[:, offset:offset + math.prod(shape)].view(slots, 1, *shape)
-                moved[p].copy_(blocks[p])
-                offset += math.prod(shape)
+            torch._foreach_copy_([moved[p] for p in blocks], [blocks[p] for p in blocks])
         for name, s, a, b in self.writes:
             module = cache.modules[name]
             module.lora_a_stacked = _replaced(module.lora_a_stacked, s, moved[a])
@@ -216,19 +220,13 @@ class SlotPlan:
                 and not any(bool(view.any()) for view in views.zeros))
 
     @staticmethod
-    def write(views: SlotViews, sources: list[torch.Tensor], scale: bool) -> None:
-        """Activate a version into a free slot as `activate_adapter` would: clear what it does
-        not write, copy each tensor into its rows and columns (`positions` order). `scale`: the
-        sources are the sender's, not a LoRAModel's: `copy_` casts as vLLM's `.to(dtype)`, then
-        `lora_B *= scaling` in the slot's dtype, as `LoRALayerWeights.optimize` does before
-        `set_lora` copies it (the same operations in the same dtype: the same bits)."""
+    def write(views: SlotViews, sources: list[torch.Tensor]) -> None:
+        """Activate a version into a free slot as `activate_adapter` would, from its LoRAModel's
+        tensors (`positions` order): clear what it does not write, copy each into its block."""
         with torch.no_grad():
             if views.zeros:
                 torch._foreach_zero_(views.zeros)
             torch._foreach_copy_(views.writes, sources)
-            if scale:  # by a tensor: with a Python float, foreach rounds the factor to the dtype first
-                for factor, group in views.scaled:
-                    torch._foreach_mul_(group, torch.tensor(factor, dtype=torch.float64))
 
 
 def _replaced(stacked: tuple, index: int, tensor: torch.Tensor) -> tuple:
@@ -248,13 +246,6 @@ class ModelPlan:
     dtype: torch.dtype
     in_order: bool = False  # `names` is the incoming order: a sender's flat buffer is this plan's layout
     slots: SlotPlan | None = None
-    slot_positions: list[int] = field(default_factory=list)  # the slot plan's writes, as plan entries
-    slot_names: list[str] = field(default_factory=list)  # ... as incoming names
-
-    def learn_slots(self, cache: Any) -> None:
-        self.slots = SlotPlan.learn(cache, self)
-        self.slot_positions = self.slots.positions if self.slots is not None else []
-        self.slot_names = [self.names[p] for p in self.slot_positions]
 
     @classmethod
     def learn(cls, staged: dict[str, torch.Tensor], before: dict[str, tuple[bool, float]], model: Any,
