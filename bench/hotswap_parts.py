@@ -65,7 +65,7 @@ def main() -> None:
 
     timed(validate.StructureCheck, "__call__", "structure check (lora-async)")
     timed(hotswap.HotSwap, "add", "worker registration, all of it")
-    timed(hotswap.HotSwap, "_write_slot", "  slot write + lora_B scaling + value check")
+    timed(hotswap.HotSwap, "_write_region", "  slot write + lora_B scaling + value check")
     timed(hotswap, "finite_flat", "    value check on the copy")
     timed(manager.LRUCacheLoRAModelManager, "add_adapter", "  vLLM add_adapter")
     timed(hotswap.HotSwap, "remove", "retire the drained version")
