@@ -12,8 +12,10 @@ and the environments that read it import this module.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .config import ADAPTER_NAME_RE
@@ -79,6 +81,17 @@ class AdapterVersion:
         with torch.no_grad():
             torch._foreach_copy_(list(views.values()), [state[k].detach() for k in ordered])
         return cls(adapter, version, views, peft_config, flat)
+
+    @cached_property
+    def structure(self) -> tuple:
+        """What a version shares with any other that can take its place in an engine: tensor
+        names, shapes and dtypes, and the peft config. Built once per version, from
+        whole-sequence comprehensions (~400 tensors), for the generator's structure check and
+        the in-process worker's hot-swap plans alike."""
+        tensors = self.tensors.values()
+        dtypes = (self.flat.dtype,) if self.flat is not None else tuple([t.dtype for t in tensors])
+        return (tuple(self.tensors), tuple([t.shape for t in tensors]), dtypes,
+                json.dumps(self.peft_config, sort_keys=True, default=str))
 
     @property
     def served_name(self) -> str:

@@ -29,7 +29,7 @@ class FakeEngine:
         self.in_process = in_process
         self.held: dict[int, dict[str, torch.Tensor]] = {}
 
-    def add_tensors(self, int_id, tensors, peft_config, borrowed=False, flat=None) -> None:
+    def add_tensors(self, int_id, tensors, peft_config, borrowed=False, flat=None, structure=None) -> None:
         self.held[int_id] = {k: t.clone() for k, t in tensors.items()}
 
     def add_shm(self, int_id: int, segment: str, meta: PackMeta) -> None:

@@ -1,6 +1,7 @@
 """Recycled registration on the real vLLM CPU engine (`generator/vllm/hotswap.py`): versions
-copied into retired versions' LoRAModels and written into free slots hold, and serve, exactly
-what vLLM's own build and activation would; anything else takes vLLM's own path."""
+written straight into free slots (their retired LoRAModel filled from the slot when vLLM frees
+it), or copied into retired versions' LoRAModels, hold and serve exactly what vLLM's own build
+and activation would; anything else takes vLLM's own path."""
 
 from __future__ import annotations
 
@@ -64,7 +65,9 @@ def equals_vllms_own_build(engine, int_id, version) -> bool:
 
 
 def slot_equals_vllms_own_activation(engine, int_id) -> bool:
-    """`int_id` is active, and its slot holds what vLLM's own `activate_adapter` writes there."""
+    """`int_id` is active, and its slot holds what vLLM's own `activate_adapter` writes there
+    from its LoRAModel (freeing the slot first fills that model from the slot, where the version
+    was written straight into it: `equals_vllms_own_build` then checks the model)."""
     def check(client):
         cache = lora_manager(client)._adapter_manager
         if int_id not in cache.lora_index_to_id:
@@ -96,6 +99,14 @@ def dirty_free_slots(engine) -> None:
     engine.run_in_engine(dirty)
 
 
+def free_a_slot(client) -> None:
+    """Evict the oldest active versions until a slot is free (vLLM activates them again when a
+    request names them): a version is written straight into its slot only where one is free."""
+    cache = lora_manager(client)._adapter_manager
+    while None not in cache.lora_index_to_id:
+        cache._active_adapters.remove_oldest()
+
+
 def answers(engine, adapter):
     return [greedy(engine, adapter, p).samples[0] for p in PROMPTS]
 
@@ -114,7 +125,8 @@ def test_recycled_versions_serve_what_vllm_loads_itself(engine, tiny_model, tmp_
     directory: greedy tokens and logprobs, over seven versions (with one spare per structure
     and two live versions, the 7th reuses the LoRAModel the 4th reused: v0's). Versions come
     as separate tensors, or gathered in one buffer as the learner hands them over (then each
-    recycled version is copied in with one op)."""
+    recycled version is written straight into its slot with one op, and its LoRAModel filled
+    from the slot when the check below frees it)."""
     before = hotswap_stats(engine)
     models, previous = [], None
     for i in range(7):
@@ -123,7 +135,6 @@ def test_recycled_versions_serve_what_vllm_loads_itself(engine, tiny_model, tmp_
         dirty_free_slots(engine)
         stats = publish(engine, version)
         models.append(registered_model(engine, stats.int_id))
-        assert equals_vllms_own_build(engine, stats.int_id, version)
         mine = answers(engine, "a")
         engine.publish_dir("b", next_version(engine, "b"),
                            save_peft_dir(tmp_path / f"v{i}", version.tensors, version.peft_config))
@@ -132,9 +143,14 @@ def test_recycled_versions_serve_what_vllm_loads_itself(engine, tiny_model, tmp_
             assert [s.logprobs for s in mine] != [s.logprobs for s in previous]
         previous = mine
         assert slot_equals_vllms_own_activation(engine, stats.int_id)
+        assert equals_vllms_own_build(engine, stats.int_id, version)
+        assert_same_answers(answers(engine, "a"), mine)  # activated again, by vLLM, from that model
     after = hotswap_stats(engine)
     assert after["recycled"] - before["recycled"] >= 4
     assert after["fast_activated"] - before["fast_activated"] >= 4
+    straight = after["straight"] - before["straight"]  # one buffer: straight into the slot
+    assert straight >= 3 if gathered else straight == 0
+    assert after["filled_from_slot"] - before["filled_from_slot"] == straight
     assert after["one_copy"] - before["one_copy"] == (after["recycled"] - before["recycled"] if gathered else 0)
     reused = [sum(other is model for other in models) for model in models]
     assert max(reused) >= 3, "no LoRAModel served three versions"
@@ -164,9 +180,10 @@ def test_the_worker_keeps_none_of_the_senders_tensors(engine, tiny_model, gather
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_bad_values_on_the_recycled_path_are_refused_and_the_spare_survives(engine, tiny_model, bad):
-    """The worker checks a recycled version's values on the copy it makes: a NaN or Inf is one
-    clear error naming the version, nothing is registered, the live version keeps answering,
-    and the next good version still recycles (the spare went back) and holds vLLM's own build."""
+    """The worker checks a recycled version's values on the copy it makes (in its slot): a NaN or
+    Inf is one clear error naming the version, nothing is registered, the live version keeps
+    answering, and the next good version still recycles (the spare went back) and holds vLLM's
+    own build."""
     for i in range(3):  # enough for a plan and a spare of this structure
         publish(engine, random_adapter(tiny_model, "c", next_version(engine, "c"), seed=700 + i, gathered=True))
     live = next_version(engine, "c") - 1
@@ -183,6 +200,7 @@ def test_bad_values_on_the_recycled_path_are_refused_and_the_spare_survives(engi
     good = random_adapter(tiny_model, "c", live + 2, seed=711, gathered=True)
     stats = publish(engine, good)
     assert hotswap_stats(engine)["recycled"] == before["recycled"] + 1
+    assert slot_equals_vllms_own_activation(engine, stats.int_id)
     assert equals_vllms_own_build(engine, stats.int_id, good)
 
 
@@ -209,15 +227,46 @@ def test_another_structure_takes_the_normal_path_then_recycles(engine, tiny_mode
             version = only_modules(version, ("q_proj", "v_proj"))
         dirty_free_slots(engine)
         stats = publish(engine, version)
-        assert equals_vllms_own_build(engine, stats.int_id, version)
         mine = answers(engine, "b")
         engine.publish_dir("c", next_version(engine, "c"),
                            save_peft_dir(tmp_path / f"v{i}", version.tensors, version.peft_config))
         assert_same_answers(mine, answers(engine, "c"))
         assert slot_equals_vllms_own_activation(engine, stats.int_id)
+        assert equals_vllms_own_build(engine, stats.int_id, version)
     after = hotswap_stats(engine)
     assert after["built"] - before["built"] >= 1 and after["recycled"] - before["recycled"] >= 1
     assert after["fast_activated"] > before["fast_activated"]
+
+
+def test_a_version_vllm_evicts_from_its_slot_serves_the_same_when_activated_again(engine, tiny_model):
+    """A version written straight into its slot has a LoRAModel vLLM has not filled. When vLLM's
+    LRU frees that slot (`LRUCacheLoRAModelManager.activate_adapter` evicting its oldest active
+    adapter, here called as it calls it), the model is filled from the slot first: it holds
+    vLLM's own build, and the next request on the version, activated by vLLM from that model,
+    answers as before."""
+    for i in range(3):  # a plan, a trusted slot plan and a spare: the last is written straight
+        version = random_adapter(tiny_model, "a", next_version(engine, "a"), seed=800 + i, scale=3.0, gathered=True)
+        engine.run_in_engine(free_a_slot)
+        straight = hotswap_stats(engine)["straight"]
+        stats = publish(engine, version)
+    assert hotswap_stats(engine)["straight"] == straight + 1
+    before = hotswap_stats(engine)
+    expected = answers(engine, "a")
+
+    def evict(client) -> int:
+        cache = lora_manager(client)._adapter_manager
+        evicted = 0
+        while stats.int_id in cache._active_adapters:
+            cache._active_adapters.remove_oldest()  # what activate_adapter does when no slot is free
+            evicted += 1
+        return evicted
+    assert engine.run_in_engine(evict) >= 1
+    after = hotswap_stats(engine)
+    assert after["filled_from_slot"] > before["filled_from_slot"]
+    assert equals_vllms_own_build(engine, stats.int_id, version)
+    assert not engine.run_in_engine(lambda client: stats.int_id in lora_manager(client)._adapter_manager._active_adapters)
+    assert_same_answers(answers(engine, "a"), expected)  # vLLM activates it again, from its LoRAModel
+    assert engine.run_in_engine(lambda client: stats.int_id in lora_manager(client)._adapter_manager._active_adapters)
 
 
 def test_a_version_in_flight_is_never_recycled(engine, tiny_model):

@@ -54,6 +54,7 @@ def test_compat_check_detects_changed_hotswap_internals(monkeypatch):
     would: a vLLM that builds, scales or activates differently is refused by name."""
     from vllm.lora.layers import RowParallelLinearWithLoRA
     from vllm.lora.lora_weights import LoRALayerWeights
+    from vllm.lora.model_manager import AdapterLRUCache
 
     assert compat.hotswap_problems() == []
     problems = compat.hotswap_problems({"LoRAModelManager.activate_adapter": ("self.slot_of[lora_id] = index",),
@@ -68,11 +69,21 @@ def test_compat_check_detects_changed_hotswap_internals(monkeypatch):
     def set_lora(self, index, lora_a, lora_b):  # ... and stores slots transposed
         raise AssertionError
 
+    def on_remove(self, key, value):  # ... frees a slot without telling its deactivate_fn
+        return None
+
+    def apply_lora(self, x, output):  # ... and reads a copy of the stacked tensors, made once
+        return output
+
     monkeypatch.setattr(LoRALayerWeights, "optimize", optimize)
     monkeypatch.setattr(RowParallelLinearWithLoRA, "set_lora", set_lora)
+    monkeypatch.setattr(AdapterLRUCache, "_on_remove", on_remove)
+    monkeypatch.setattr(RowParallelLinearWithLoRA, "_apply_lora_to_output", apply_lora)
     with pytest.raises(VllmCompatError) as caught:
         check_vllm_compat()
     assert "LoRALayerWeights.optimize no longer does `self.lora_b *= self.scaling`" in str(caught.value)
+    assert "AdapterLRUCache._on_remove no longer does `self.deactivate_fn(key)`" in str(caught.value)
+    assert "RowParallelLinearWithLoRA._apply_lora_to_output is overridden" in str(caught.value)
     assert "RowParallelLinearWithLoRA.set_lora is now" in str(caught.value)
 
 

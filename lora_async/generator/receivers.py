@@ -33,9 +33,10 @@ class EngineReceiver(Protocol):
         """The engine shares this process's memory: tensors may be lent to it by reference."""
 
     def add_tensors(self, int_id: int, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any],
-                    borrowed: bool = False, flat: torch.Tensor | None = None) -> None:
+                    borrowed: bool = False, flat: torch.Tensor | None = None, structure: tuple | None = None) -> None:
         """Tensors in this process (`borrowed`: still the caller's; the engine copies them and
-        checks their values on that copy). `flat`: the one buffer they are views of, in order."""
+        checks their values on that copy). `flat`: the one buffer they are views of, in order;
+        `structure`: their `AdapterVersion.structure`."""
 
     def add_shm(self, int_id: int, segment: str, meta: PackMeta) -> None:
         """A packed version in the POSIX shared-memory segment `segment`, copied out once."""

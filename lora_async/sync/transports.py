@@ -80,11 +80,11 @@ class InprocTransport:
     def publish(self, version: AdapterVersion) -> PublishStats:
         started = time.perf_counter()
         self.generator.validate(version, values=False)  # the worker checks the values on its copy
-        tensors, config, flat = version.tensors, version.peft_config, version.flat
+        tensors, config, flat, structure = version.tensors, version.peft_config, version.flat, version.structure
 
         def load(engine: EngineReceiver, int_id: int) -> None:
             try:
-                engine.add_tensors(int_id, tensors, config, borrowed=True, flat=flat)
+                engine.add_tensors(int_id, tensors, config, borrowed=True, flat=flat, structure=structure)
             except AdapterError as exc:
                 raise AdapterError(f"{version.served_name}: {exc}") from None
 

@@ -130,11 +130,13 @@ class EngineClient:
 
     # ---------------------------------------------------------------- adapters (worker extension)
     def add_tensors(self, int_id: int, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any],
-                    borrowed: bool = False, flat: torch.Tensor | None = None) -> None:
+                    borrowed: bool = False, flat: torch.Tensor | None = None, structure: tuple | None = None) -> None:
         """`borrowed`: the tensors stay the caller's (an in-process engine); the worker copies
         them and checks their values on that copy (a refusal raises AdapterError). `flat`: the
-        buffer they are views of, in order (`AdapterVersion.flat`), copied with one op."""
-        self._registered(self._rpc(Worker.lora_async_add_tensors, int_id, tensors, peft_config, borrowed, flat))
+        buffer they are views of, in order (`AdapterVersion.flat`), copied with one op.
+        `structure`: their `AdapterVersion.structure` (the worker's key for its hot-swap plans)."""
+        self._registered(self._rpc(Worker.lora_async_add_tensors, int_id, tensors, peft_config, borrowed, flat,
+                                   structure))
 
     def add_shm(self, int_id: int, segment: str, meta: PackMeta) -> None:
         self._registered(self._rpc(Worker.lora_async_add_shm, int_id, segment, meta.to_dict()))

@@ -5,7 +5,7 @@
 | internal | used by | why |
 |---|---|---|
 | `LoRAModel.from_lora_tensors`, `PEFTHelper`, `WorkerLoRAManager` (`_adapter_manager`, `lora_config`, `vocab_size`, `max_position_embeddings`, `add_adapter`, `remove_adapter`) | worker.py, hotswap.py | vLLM can only load adapters from a path; we build the `LoRAModel` from tensors the way `_load_adapter` does after reading files |
-| `LoRAModelManager` slots and activation, `LoRAModel`/`LoRALayerWeights` fields and in-place scaling, the LoRA layers' stacked tensors and `set_lora`/`reset_lora`, `PIN_MEMORY` (`HOTSWAP_SOURCES`, `*_LORA_LAYERS`) | hotswap.py | a version is copied into a retired version's LoRAModel and a free slot as vLLM's own build and activation would |
+| `LoRAModelManager` slots and activation, the active cache's `deactivate_fn` (every way a slot is freed), `LoRAModel`/`LoRALayerWeights` fields and in-place scaling, the LoRA layers' stacked tensors (read at each call) and `set_lora`/`reset_lora`, `PIN_MEMORY` (`HOTSWAP_SOURCES`, `*_LORA_LAYERS`) | hotswap.py, swap_plans.py | a version is written into a free slot as vLLM's own build and activation would, and its LoRAModel filled from the slot before vLLM frees that slot |
 | `LoRARequest(lora_name, lora_int_id, lora_path)` | client.py | requests name a version by name and int id |
 | the worker's `model_runner.lora_manager`, `model_runner.reload_weights` | worker.py | the adapter cache; the full-weight row of `bench sync` |
 | `SyncMPClient`/`MPClient` (`resources.engine_dead`, `outputs_queue`, `utility_results`), `EngineDeadError` | client.py | vLLM 0.32 notices a dead engine process but leaves its callers blocked |
@@ -52,12 +52,27 @@ WRITABLE_LORA_LAYERS = ("ColumnParallelLinearWithLoRA", "MergedColumnParallelLin
 WRITABLE_SET_LORA = ("BaseLinearLayerWithLoRA.set_lora", "MergedColumnParallelLinearWithLoRA.set_lora")
 ZEROED_LORA_LAYERS = ("VocabParallelEmbeddingWithLoRA", "LogitsProcessorWithLoRA")
 # Statements hotswap.py reproduces, by the method that holds them.
+# A version written straight into its slot has a LoRAModel that vLLM must not read until
+# hotswap.py fills it: vLLM reads it only to activate it (`activate_adapter`), and frees an
+# active version's slot only through the active cache's `deactivate_fn` (every removal of
+# `AdapterLRUCache`, the LRU eviction in `LRUCacheLoRAModelManager.activate_adapter` included),
+# which hotswap.py wraps to fill the model first. Layers read the stacked tensors at each call.
 HOTSWAP_SOURCES = {
     "LoRAModelManager.__init__": ("self.modules", "self.lora_index_to_id", "self._active_adapters",
-                                  "self.is_pooling_model"),
+                                  "self.is_pooling_model", "self.lora_slots, self._deactivate_adapter"),
     "LoRAModelManager.activate_adapter": ("self._active_adapters[lora_id] = None",
                                           "self.lora_index_to_id[index] = lora_model.id",
+                                          "lora_model = self._registered_adapters[lora_id]",
                                           "module.reset_lora(index)", "module.set_lora("),
+    "LoRAModelManager.remove_adapter": ("self.deactivate_adapter(adapter_id)",),
+    "LRUCacheLoRAModelManager.activate_adapter": ("self._active_adapters.remove_oldest()",
+                                                  "super().activate_adapter(lora_id)"),
+    "AdapterLRUCache.__init__": ("self.deactivate_fn = deactivate_fn",),
+    "AdapterLRUCache._on_remove": ("self.deactivate_fn(key)",),
+    "LRUCache.__delitem__": ("self._on_remove(key, value)",),
+    "LRUCache.pop": ("self.__delitem__(key)",),
+    "LRUCache.popitem": ("self.pop(",),
+    "BaseLinearLayerWithLoRA._apply_lora_to_output": ("self.lora_a_stacked, self.lora_b_stacked",),
     "LoRAModel.__init__": ("self.id = lora_model_id", "self.loras", "self.modules_to_save"),
     "LoRAModel.from_lora_tensors": ("tensor.to(device=device, dtype=dtype)",),
     "LoRALayerWeights.__init__": ("self.lora_a = lora_a", "self.lora_b = lora_b", "self.scaling"),
@@ -212,9 +227,11 @@ def hotswap_problems(sources: dict[str, tuple[str, ...]] | None = None) -> list[
     from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
-    from vllm.lora.model_manager import LoRAModelManager
+    from vllm.lora.model_manager import AdapterLRUCache, LoRAModelManager, LRUCacheLoRAModelManager
+    from vllm.utils.cache import LRUCache
 
-    owners = {cls.__name__: cls for cls in (LoRAModelManager, LoRAModel, LoRALayerWeights, PackedLoRALayerWeights,
+    owners = {cls.__name__: cls for cls in (LoRAModelManager, LRUCacheLoRAModelManager, AdapterLRUCache, LRUCache,
+                                            LoRAModel, LoRALayerWeights, PackedLoRALayerWeights,
                                             BaseLinearLayerWithLoRA)}
     problems = [f"vllm.lora.layers has no {name}" for name in WRITABLE_LORA_LAYERS + ZEROED_LORA_LAYERS
                 if not hasattr(layers, name)]
@@ -234,8 +251,9 @@ def hotswap_problems(sources: dict[str, tuple[str, ...]] | None = None) -> list[
         resolved = getattr(layers, name).set_lora.__qualname__
         if resolved not in WRITABLE_SET_LORA:
             problems.append(f"{name}.set_lora is now {resolved}")
-        if getattr(layers, name).reset_lora.__qualname__ != "BaseLinearLayerWithLoRA.reset_lora":
-            problems.append(f"{name}.reset_lora is overridden")
+        for method in ("reset_lora", "_apply_lora_to_output"):
+            if getattr(getattr(layers, name), method).__qualname__ != f"BaseLinearLayerWithLoRA.{method}":
+                problems.append(f"{name}.{method} is overridden")
     for name in ("add_adapter", "get_adapter", "remove_adapter", "list_adapters", "activate_adapter"):
         if not callable(getattr(LoRAModelManager, name, None)):
             problems.append(f"LoRAModelManager.{name} is gone")
@@ -243,7 +261,7 @@ def hotswap_problems(sources: dict[str, tuple[str, ...]] | None = None) -> list[
         problems.append("vllm.utils.torch_utils.PIN_MEMORY is gone")
     import torch
 
-    problems += [f"torch.{name} is gone" for name in ("_foreach_copy_", "_foreach_zero_") if not hasattr(torch, name)]
+    problems += [f"torch.{name} is gone" for name in ("_foreach_copy_", "_foreach_zero_", "_foreach_mul_") if not hasattr(torch, name)]
     return problems
 
 

@@ -3,13 +3,17 @@
 `HotSwap` is one worker's registrar. The first version of a structure (tensor names, shapes,
 peft config) is built the normal way (`LoRAModel.from_lora_tensors`, `add_adapter`, vLLM's
 activation), and from that build it learns the plans of `swap_plans.py`: where each tensor
-lands in the merged `LoRAModel` (`ModelPlan`) and in the engine's LoRA slots (`SlotPlan`).
-Later versions of that structure are copied into a retired version's `LoRAModel` (a `Spare`),
-take the new int id, are registered with `add_adapter` (a no-op merge on a merged model) and
-are activated into a free slot by two foreach copies.
+lands in the merged `LoRAModel` (`ModelPlan`) and in the engine's LoRA slots (`SlotPlan`), and
+lays the slots out as the plan. A later version of that structure takes a retired version's
+`LoRAModel` (a `Spare`) and the new int id, and is registered with `add_adapter` (a no-op merge
+on a merged model). Sent as one buffer (as the learner hands versions over), it is written
+straight into a free slot: one copy, the lora_B scaling, one value check on the copy. vLLM only
+reads a `LoRAModel` to activate it, so that one is filled from the slot only if vLLM frees the
+slot while the version is live (its LRU eviction; `_watch_evictions`). Otherwise the version is
+copied into the spare, then into a free slot by foreach copies (or by vLLM on first use).
 
-Anything else (first version, another structure, unknown layers, no spare, no free slot, a
-plan that failed its check) takes vLLM's own path. Every vLLM internal used here is checked by
+Anything else (first version, another structure, unknown layers, no spare, a plan that failed
+its check) takes vLLM's own path. Every vLLM internal used here is checked by
 `compat.check_vllm_compat()`.
 """
 
@@ -24,7 +28,7 @@ import torch
 
 from ..validate import finite_flat
 from . import compat
-from .swap_plans import ModelPlan, SlotPlan, Spare, weight_at
+from .swap_plans import ModelPlan, SlotPlan, SlotViews, Spare, weight_at
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +65,11 @@ class SwapCounts:
     """How one worker registered and activated versions (what `bench sync` and the tests read)."""
 
     built: int = 0  # by vLLM's own path (`from_lora_tensors` + `add_adapter`)
-    recycled: int = 0  # copied into a retired version's LoRAModel
-    one_copy: int = 0  # ... of those, with one copy from the sender's flat buffer
+    recycled: int = 0  # took a retired version's LoRAModel
+    one_copy: int = 0  # ... of those, copied in (to its slot or that model) with one copy of the sender's buffer
     fast_activated: int = 0  # written into a free slot by the slot plan
+    straight: int = 0  # ... of those, from the sender's tensors (its LoRAModel filled only if vLLM evicts it)
+    filled_from_slot: int = 0  # LoRAModels filled from their slot as vLLM evicted them
     vllm_activated: int = 0  # activated by vLLM's `activate_adapter` (to check the slot plan)
 
 
@@ -72,23 +78,28 @@ class InvalidValues(ValueError):
 
 
 class HotSwap:
-    """One worker's registrations: learned plans by structure, spare models, live ids."""
+    """One worker's registrations: learned plans by structure, spare models, live ids, and the
+    versions that live in their slot only."""
 
     def __init__(self) -> None:
         self.plans: dict[tuple, ModelPlan | None] = {}  # None: this structure is never recycled
         self.spares: dict[tuple, list[Spare]] = {}
         self.live: dict[int, tuple[tuple, Spare | None]] = {}  # registered here: structure, spare it reuses
+        # written straight into a slot, their LoRAModel not filled: the slot's views, the spare it took
+        self.in_slot: dict[int, tuple[SlotViews, Spare]] = {}
         self.seen: set[int] = set()
         self.stats = SwapCounts()
+        self.watching: object = None  # the cache of active adapters whose evictions `_watch_evictions` sees
 
     def add(self, manager: Any, int_id: int, tensors: dict, peft_config: dict, borrowed: bool = False,
-            flat: torch.Tensor | None = None) -> None:
+            flat: torch.Tensor | None = None, structure: tuple | None = None) -> None:
         """Register `int_id`: recycled when a plan and a spare exist, else built by vLLM's path.
 
         `borrowed`: the tensors stay the sender's (in-process): they are copied before anything
-        keeps them, and their values are checked on that copy (`InvalidValues`). `flat`: the
-        buffer they are views of, in order (`AdapterVersion.flat`): one copy instead of one per
-        tensor when it matches the plan's layout."""
+        keeps them, and their values are checked (`InvalidValues`). `flat`: the buffer they are
+        views of, in order (`AdapterVersion.flat`): one copy instead of one per tensor, into a
+        free slot or a spare, and one value check. `structure`: the sender's `AdapterVersion.structure` of
+        these tensors (else the key is built here)."""
         cache = manager._adapter_manager
         if int_id in self.seen or int_id in cache.list_adapters():
             raise ValueError(f"LoRA id {int_id} was registered before; ids are never reused")
@@ -96,31 +107,66 @@ class HotSwap:
             raise RuntimeError(f"vLLM's LoRA cache is full ({len(cache)}/{cache.capacity}); "
                                "retire a version before publishing another")
         self.seen.add(int_id)
-        key = structure_key(tensors, peft_config)
+        key = ("sender", structure) if structure is not None else structure_key(tensors, peft_config)
         plan = self.plans.get(key)
         spare = self.spares[key].pop() if plan is not None and self.spares.get(key) else None
-        if spare is not None:
-            assert plan is not None
-            self.stats.one_copy += plan.fill(spare, tensors, flat)
-            if borrowed and not finite_flat(spare.flat):
-                self.spares[key].append(spare)  # unregistered: its next fill overwrites it
-                raise InvalidValues("tensors contain NaN or Inf")
-            model = spare.model
-            model.id = int_id
-            cache.add_adapter(model)
-            self.stats.recycled += 1
-        else:
+        if spare is None:
             sources = [flat] if flat is not None else tensors.values()
             if borrowed and not all(finite_flat(t) for t in sources):
                 raise InvalidValues("tensors contain NaN or Inf")
             model = self._build(manager, key, int_id, tensors, peft_config, borrowed)
             self.stats.built += 1
+            self.live[int_id] = (key, None)
+            self._activate(cache, self.plans.get(key), model)
+            return
+        assert plan is not None
+        slot = self._free_region(cache, plan, tensors, flat)
+        try:
+            if slot is None:  # into the spare; then a free slot as vLLM's activation would, or vLLM on first use
+                self.stats.one_copy += plan.fill(spare, tensors, flat)
+                if borrowed and not finite_flat(spare.flat):
+                    raise InvalidValues("tensors contain NaN or Inf")
+            else:  # straight into the free slot; its LoRAModel is filled only if vLLM frees the slot
+                assert flat is not None
+                self._write_region(slot[1], plan, flat, borrowed)
+        except InvalidValues:
+            self.spares[key].append(spare)  # unregistered: its next fill overwrites it
+            raise
+        model = spare.model
+        model.id = int_id
+        cache.add_adapter(model)
+        self.stats.recycled += 1
         self.live[int_id] = (key, spare)
-        self._activate(cache, self.plans.get(key), model, spare)
+        if slot is None:
+            self._activate(cache, plan, model, spare)
+            return
+        self._watch_evictions(cache)
+        self.in_slot[int_id] = (slot[1], spare)
+        self._mark_active(cache, slot[0], int_id)
+        self.stats.fast_activated += 1
+        self.stats.straight += 1
+
+    def _write_region(self, views: SlotViews, plan: ModelPlan, flat: torch.Tensor, borrowed: bool) -> None:
+        """Write a version into a free slot laid out as the plan, from the sender's buffer laid
+        out alike, as vLLM's build and activation would: clear what it does not write, one copy
+        (`copy_` casts as `.to(dtype)`), lora_B `*= scaling` in the slot's dtype (as
+        `LoRALayerWeights.optimize`: the same operations, the same bits), then one value check
+        on the copy (a refused version leaves the slot free)."""
+        assert views.region is not None
+        with torch.no_grad():
+            if views.zeros:
+                torch._foreach_zero_(views.zeros)
+            views.region.copy_(flat)
+            for start, end, factor in plan.scale:
+                views.region[start:end].mul_(factor)
+        self.stats.one_copy += 1
+        if borrowed and not finite_flat(views.region):
+            raise InvalidValues("tensors contain NaN or Inf")
 
     def remove(self, manager: Any, int_id: int) -> bool:
         """Remove `int_id`; keep its LoRAModel as a spare (vLLM holds no reference any more)."""
         model = manager._adapter_manager.get_adapter(int_id)
+        self.in_slot.pop(int_id, None)  # retired: nothing will read its weights again
         removed = bool(manager.remove_adapter(int_id))
         key, spare = self.live.pop(int_id, ((), None))
         plan = self.plans.get(key)
@@ -129,6 +175,46 @@ class HotSwap:
             if len(spares) < SPARES_PER_STRUCTURE:
                 spares.append(spare if spare is not None else plan.spare(model))
         return removed
+
+    def _free_region(self, cache: Any, plan: ModelPlan, tensors: dict,
+                     flat: torch.Tensor | None) -> tuple[int, SlotViews] | None:
+        """A free slot and its views, where a version can be written straight into it: the slot
+        plan is trusted, the slots are laid out as the plan (`SlotPlan.lay_out`), and the
+        sender's tensors are one buffer laid out alike."""
+        slots = plan.slots
+        if slots is None or slots.trusted is not True or slots.slab is None or None not in cache.lora_index_to_id:
+            return None
+        index = cache.lora_index_to_id.index(None)
+        views = slots.at(cache, plan, index)
+        if views.region is None or not plan.dense_source(tensors, flat, views.region.numel()):
+            return None
+        return index, views
+
+    @staticmethod
+    def _mark_active(cache: Any, index: int, int_id: int) -> None:
+        """What `activate_adapter` records around its `set_lora` calls."""
+        cache._active_adapters[int_id] = None
+        cache.lora_index_to_id[index] = int_id
+
+    def _watch_evictions(self, cache: Any) -> None:
+        """Have vLLM tell us before it frees a slot (`AdapterLRUCache` calls `deactivate_fn`
+        on every removal, its LRU eviction in `activate_adapter` included): a version written
+        straight into its slot gets its LoRAModel filled from the slot first, so vLLM can
+        activate it again from there."""
+        active = cache._active_adapters
+        if self.watching is active:
+            return
+        self.watching, release = active, active.deactivate_fn
+
+        def deactivate(int_id: int) -> object:
+            views, spare = self.in_slot.pop(int_id, (None, None))
+            if views is not None and views.region is not None and spare is not None:
+                with torch.no_grad():
+                    spare.flat.copy_(views.region)  # both laid out as the plan
+                self.stats.filled_from_slot += 1
+            return release(int_id)
+
+        active.deactivate_fn = deactivate
 
     def _build(self, manager: Any, key: tuple, int_id: int, tensors: dict, peft_config: dict,
                borrowed: bool = False) -> Any:
@@ -167,10 +253,10 @@ class HotSwap:
         self.plans[key] = plan
         return model
 
-    def _activate(self, cache: Any, plan: ModelPlan | None, model: Any, spare: Spare | None) -> None:
-        """Put a new version in a free slot now, by foreach copies once the slot plan is trusted;
-        the first time through vLLM's own activation, read back to trust the plan. Without a
-        free slot (or a plan) vLLM activates it on first use, as it always has."""
+    def _activate(self, cache: Any, plan: ModelPlan | None, model: Any, spare: Spare | None = None) -> None:
+        """Put a version whose LoRAModel is filled in a free slot now: the first time through
+        vLLM's own activation, read back to trust the slot plan; then by foreach copies.
+        Without a free slot (or a plan) vLLM activates it on first use, as it always has."""
         slots = plan.slots if plan is not None else None
         if plan is None or slots is None or slots.trusted is False or None not in cache.lora_index_to_id:
             return
@@ -183,6 +269,8 @@ class HotSwap:
             if not slots.trusted:
                 log.warning("lora-async: vLLM's LoRA slots are laid out differently than expected; "
                             "versions are activated the normal way")
+            else:
+                slots.lay_out(cache, plan)
             return
         if spare is None:
             source = [tensors[p] for p in slots.positions]
@@ -190,11 +278,6 @@ class HotSwap:
             if spare.slot_src is None:
                 spare.slot_src = [spare.views[p] for p in slots.positions]
             source = spare.slot_src
-        writes, zeros = slots.at(cache, plan, index)
-        cache._active_adapters[model.id] = None  # what activate_adapter records before set_lora
-        cache.lora_index_to_id[index] = model.id
-        with torch.no_grad():
-            if zeros:
-                torch._foreach_zero_(zeros)
-            torch._foreach_copy_(writes, source)
+        SlotPlan.write(slots.at(cache, plan, index), source)
+        self._mark_active(cache, index, model.id)
         self.stats.fast_activated += 1

@@ -11,13 +11,17 @@ once, as plans that `hotswap.HotSwap` follows:
   (packed qkv/gate_up slices included) and the scaling vLLM folds into lora_B. It is trusted
   only after that build compared equal, bit for bit, to what the plan would have written.
 - `Spare`: a retired version's `LoRAModel` (nothing references it: the generator retires drained
-  versions only and aborts before it evicts), its tensors moved into one flat buffer. The next
-  version of that structure is copied into it (`copy_` casts as `.to(dtype)` does; lora_B then
-  `*= scaling` as `LoRALayerWeights.optimize` does).
+  versions only and aborts before it evicts), its tensors moved into one flat buffer, taken by
+  the next version of that structure. That version is written into a free slot, and the spare
+  filled from the slot only if vLLM frees it; with no free slot it is copied into the spare
+  (`copy_` casts as `.to(dtype)` does; lora_B then `*= scaling` as `LoRALayerWeights.optimize`
+  does).
 - `SlotPlan`: the views of the engine's stacked LoRA slots that `activate_adapter` writes
   (`set_lora` = `reset_lora` + one copy per slice), so a new version goes into a free slot
-  with two foreach ops instead of ~120 `set_lora` calls. Trusted once an activation by vLLM
-  itself read back equal.
+  with a few foreach ops instead of ~120 `set_lora` calls. Trusted once an activation by vLLM
+  itself read back equal; then (on a CPU, where each tensor fills its block) the stacked
+  tensors it writes become views of one slot-major buffer laid out as the plan (`lay_out`),
+  so a sender's flat buffer goes into a slot with one copy.
 
 Every vLLM internal used here is checked by `compat.check_vllm_compat()`.
 """
@@ -67,6 +71,16 @@ class Spare:
 
 
 @dataclass
+class SlotViews:
+    """The views of one slot that a version's activation writes: `writes` (one per plan write,
+    `SlotPlan.positions` order) and `zeros` (what it clears)."""
+
+    writes: list[torch.Tensor]
+    zeros: list[torch.Tensor]
+    region: torch.Tensor | None = None  # the slot's writes as one buffer in plan order (`SlotPlan.lay_out`)
+
+
+@dataclass
 class SlotPlan:
     """What `activate_adapter` writes into slot `index` of the engine's stacked LoRA tensors:
     `set_lora` zeroes a module's whole slot (`reset_lora`), then copies each slice into
@@ -74,9 +88,10 @@ class SlotPlan:
 
     writes: list[tuple[str, int, int, int]]  # (module, slice, plan entry of lora_A, of lora_B)
     zeroed: list[tuple[str, int | None]]  # (module, slice; None: every slice) left all zero
-    views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    views: dict[int, SlotViews] = field(default_factory=dict)
     stacks: list[tuple[Any, Any]] = field(default_factory=list)  # what `views` are views of
     trusted: bool | None = None  # None: not yet read back after an activation by vLLM itself
+    slab: torch.Tensor | None = None  # [slots, plan numel]: what the written stacks are views of (`lay_out`)
 
     @property
     def positions(self) -> list[int]:
@@ -124,14 +139,17 @@ class SlotPlan:
                 writes.append((name, s, a, b))
         return None if by_module else cls(writes, zeroed)
 
-    def at(self, cache: Any, plan: "ModelPlan", index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(write views, zero views) of slot `index`, made once per slot (again if vLLM ever
-        replaced its stacked tensors)."""
+    def at(self, cache: Any, plan: "ModelPlan", index: int) -> SlotViews:
+        """The views of slot `index`, made once per slot (again if vLLM ever replaced its
+        stacked tensors)."""
         stacks = [(m.lora_a_stacked, m.lora_b_stacked) for m in cache.modules.values()]
         if len(stacks) != len(self.stacks) or any(a is not x or b is not y
                                                   for (a, b), (x, y) in zip(stacks, self.stacks)):
             self.views.clear()
             self.stacks = stacks
+            self.slab = None
+            if self.trusted:  # another plan laid the slots out: alike, maybe (the same tensors)
+                self.lay_out(cache, plan, move=False)
         if index not in self.views:
             writes: list[torch.Tensor] = []
             zeros: list[torch.Tensor] = []
@@ -147,14 +165,72 @@ class SlotPlan:
                 for stacked in (module.lora_a_stacked, module.lora_b_stacked):
                     group = list(stacked) if isinstance(stacked, (list, tuple)) else [stacked]
                     zeros += [stack[index] for stack in (group if part is None else [group[part]])]
-            self.views[index] = (writes, zeros)
+            region = self.slab[index] if self.slab is not None else None
+            self.views[index] = SlotViews(writes, zeros, region)
         return self.views[index]
+
+    def lay_out(self, cache: Any, plan: "ModelPlan", move: bool = True) -> bool:
+        """Move the stacked tensors this plan writes into one slot-major buffer, each slot's part
+        laid out as the plan (lora_A then lora_B, in the sender's order): a version then goes into
+        a slot with one copy from the sender's flat buffer instead of one per tensor, and out of
+        it (`HotSwap`'s eviction) with one copy into its LoRAModel's flat buffer. A buffer another
+        plan laid out alike is taken as it is; `move=False`: only that.
+
+        Each module keeps stacked tensors of the same shapes and dtype, now views of the buffer;
+        the layers read them at each call (`compat.HOTSWAP_SOURCES`). Only where each tensor fills
+        its block (the adapter's rank is the engine's), on a CPU (CUDA graphs keep addresses)."""
+        blocks: dict[int, torch.Tensor] = {}  # plan entry -> the stacked tensor it is written into
+        for name, s, a, b in self.writes:
+            module = cache.modules[name]
+            blocks[a], blocks[b] = module.lora_a_stacked[s], module.lora_b_stacked[s]
+        if sorted(blocks) != list(range(len(plan.shapes))):
+            return False
+        first = blocks[0]
+        if any(tuple(stack.shape[2:]) != plan.shapes[p] or stack.device.type != "cpu" or stack.dtype != first.dtype
+               or stack.shape[:2] != first.shape[:2] for p, stack in blocks.items()):
+            return False
+        slots, sizes = first.shape[0], [math.prod(shape) for shape in plan.shapes]
+        starts = [sum(sizes[:p]) for p in range(len(sizes))]
+        base = first._base
+        if (base is not None and base.dim() == 2 and tuple(base.shape) == (slots, sum(sizes))
+                and all(blocks[p]._base is base and blocks[p].storage_offset() - base.storage_offset() == starts[p]
+                        for p in blocks)):
+            self.slab = base  # laid out alike already
+            self.views.clear()
+            return True
+        if not move:
+            return False
+        slab = torch.empty(slots, sum(sizes), dtype=first.dtype)
+        moved = {p: slab[:, starts[p]:starts[p] + sizes[p]].view(slots, 1, *plan.shapes[p]) for p in blocks}
+        with torch.no_grad():
+            torch._foreach_copy_([moved[p] for p in blocks], [blocks[p] for p in blocks])
+        for name, s, a, b in self.writes:
+            module = cache.modules[name]
+            module.lora_a_stacked = _replaced(module.lora_a_stacked, s, moved[a])
+            module.lora_b_stacked = _replaced(module.lora_b_stacked, s, moved[b])
+        self.views.clear()
+        self.stacks = [(m.lora_a_stacked, m.lora_b_stacked) for m in cache.modules.values()]
+        self.slab = slab
+        return True
 
     def matches(self, cache: Any, plan: "ModelPlan", index: int, tensors: list[torch.Tensor]) -> bool:
         """Slot `index` holds exactly what this plan writes from `tensors` (plan order)."""
-        writes, zeros = self.at(cache, plan, index)
-        return (all(torch.equal(view, tensors[p]) for view, p in zip(writes, self.positions))
-                and not any(bool(view.any()) for view in zeros))
+        views = self.at(cache, plan, index)
+        return (all(torch.equal(view, tensors[p]) for view, p in zip(views.writes, self.positions))
+                and not any(bool(view.any()) for view in views.zeros))
+
+    @staticmethod
+    def write(views: SlotViews, sources: list[torch.Tensor]) -> None:
+        """Activate a version into a free slot as `activate_adapter` would, from its LoRAModel's
+        tensors (`positions` order): clear what it does not write, copy each into its block."""
+        with torch.no_grad():
+            if views.zeros:
+                torch._foreach_zero_(views.zeros)
+            torch._foreach_copy_(views.writes, sources)
+
+
+def _replaced(stacked: tuple, index: int, tensor: torch.Tensor) -> tuple:
+    return tuple(tensor if i == index else old for i, old in enumerate(stacked))
 
 
 @dataclass

@@ -61,17 +61,19 @@ class LoraAsyncWorkerExtension:
         return self.lora_async_add_tensors(int_id, tensors, packed.peft_config)
 
     def lora_async_add_tensors(self, int_id: int, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any],
-                               borrowed: bool = False, flat: torch.Tensor | None = None) -> dict[str, Any]:
+                               borrowed: bool = False, flat: torch.Tensor | None = None,
+                               structure: tuple | None = None) -> dict[str, Any]:
         """Register adapter `int_id` from tensors: owned copies the caller no longer touches, or
         (`borrowed`, an in-process sender) the sender's own, copied here and value-checked;
-        `flat`: the one buffer they are views of, in order (copied with one op when it can).
+        `flat`: the one buffer they are views of, in order (copied with one op when it can);
+        `structure`: their `AdapterVersion.structure`, from an in-process sender.
 
         Never evicts: the caller sizes the cache and retires versions itself, so a live version
         is never lazily reloaded from its (fake) path. An id registered here before is refused,
         even after its removal (vLLM keys caches by id)."""
         manager = self._lora_async_manager()
         try:
-            self._lora_async_swap().add(manager, int_id, tensors, peft_config, borrowed, flat)
+            self._lora_async_swap().add(manager, int_id, tensors, peft_config, borrowed, flat, structure)
         except InvalidValues as exc:
             return {"invalid": str(exc)}
         return {"registered": len(manager._adapter_manager)}
