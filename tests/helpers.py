@@ -105,6 +105,9 @@ def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.05):
 
 
 RUN_TIMEOUT_S = 900.0  # a training subprocess's start and first steps: only a hang takes this long, even loaded
+# A training subprocess run to its end (a Ray run's 120 steps took 600 s under `make test-stress`):
+# only a hang takes this long, even loaded; pytest's --timeout stays the backstop.
+WHOLE_RUN_TIMEOUT_S = 1800.0
 
 
 def wait_for_run(proc, condition, what: str, timeout_s: float = RUN_TIMEOUT_S) -> None:

@@ -22,6 +22,8 @@ from lora_async.learner.packing import plan_step
 from lora_async.learner.parallel import ParallelLearner, RankTimeouts, assign_micro_batches
 from lora_async.placement import Placement, PlacementError, available_cpus, rank_placements, resolve
 
+from .helpers import WHOLE_RUN_TIMEOUT_S
+
 # Data-parallel ranks are spawned processes, each building a learner: the slow tier.
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(len(available_cpus()) < 2, reason="two CPU ranks need two cores")]
@@ -246,7 +248,7 @@ def test_cli_trains_with_two_cpu_ranks_and_publishes(tmp_path, tiny_model):
     config = make_config(tmp_path, tiny_model, "ddp",
                          learner={"devices": ["cpu", "cpu"], "cpus": "0-1", "token_budget": 48})
     done = subprocess.run([sys.executable, "-m", "lora_async", "train", str(config)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=WHOLE_RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "learner on 2 data-parallel ranks (cpu cores 0; cpu cores 1)" in " ".join(done.stderr.split())
     rows = [r for r in read_metrics(tmp_path / "ddp" / "metrics.jsonl") if "kind" not in r]

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from .helpers import PROMPTS, generate, random_adapter, submit_many, wait_for, wait_for_run
+from .helpers import PROMPTS, WHOLE_RUN_TIMEOUT_S, generate, random_adapter, submit_many, wait_for, wait_for_run
 from .test_train import make_config
 from lora_async.generator.types import Delivery, GenRequest, GenStatus
 from lora_async.handoff import PackError
@@ -206,7 +206,7 @@ def test_a_ray_run_uses_both_replicas_survives_a_killed_one_and_resumes(tmp_path
         pids = replica_pids(proc.pid)
         assert len(pids) == 2, pids
         os.kill(pids[0], signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=600)
+        _, stderr = proc.communicate(timeout=WHOLE_RUN_TIMEOUT_S)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -222,7 +222,7 @@ def test_a_ray_run_uses_both_replicas_survives_a_killed_one_and_resumes(tmp_path
     assert all(end > then for end, then in zip(rows[-1]["replica_tokens"], restart["replica_tokens"]))
 
     resumed = subprocess.run(cmd + ["--resume", "--set", f"run.max_steps={STEPS + 3}"], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=600)
+                             capture_output=True, text=True, timeout=WHOLE_RUN_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
     assert [r["version"] for r in rows] == list(range(1, STEPS + 4))  # numbering continues on the replicas
@@ -246,7 +246,7 @@ def test_every_replica_down_stops_the_run_with_a_clear_error_and_a_checkpoint(tm
                      "the checkpoint of step 2")
         for pid in replica_pids(proc.pid):
             os.kill(pid, signal.SIGKILL)  # and no restarts left
-        _, stderr = proc.communicate(timeout=300)
+        _, stderr = proc.communicate(timeout=WHOLE_RUN_TIMEOUT_S)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -17,7 +17,7 @@ import torch
 from lora_async.config import load_config
 from lora_async.metrics import STEP_KEYS, read_metrics
 
-from .helpers import wait_for_run
+from .helpers import WHOLE_RUN_TIMEOUT_S, wait_for_run
 
 pytestmark = pytest.mark.slow
 
@@ -178,7 +178,8 @@ def test_sigkill_then_resume_continues_versions_and_restores_state(in_tmp, tiny_
         assert torch.equal(restored[key], tensor), key
     assert learner.adapters["main"].optimizer.state_dict()["state"]  # Adam moments came back
 
-    done = subprocess.run(cmd + ["--resume"], env=env, cwd=in_tmp, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd + ["--resume"], env=env, cwd=in_tmp, capture_output=True, text=True,
+                          timeout=WHOLE_RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
     assert [r["step"] for r in rows] == list(range(1, 9))  # appended, never duplicated
