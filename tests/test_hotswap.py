@@ -264,9 +264,11 @@ def test_a_version_vllm_evicts_from_its_slot_serves_the_same_when_activated_agai
     after = hotswap_stats(engine)
     assert after["filled_from_slot"] > before["filled_from_slot"]
     assert equals_vllms_own_build(engine, stats.int_id, version)
-    assert not engine.run_in_engine(lambda client: stats.int_id in lora_manager(client)._adapter_manager._active_adapters)
+    def active(client) -> bool:
+        return stats.int_id in lora_manager(client)._adapter_manager._active_adapters
+    assert not engine.run_in_engine(active)
     assert_same_answers(answers(engine, "a"), expected)  # vLLM activates it again, from its LoRAModel
-    assert engine.run_in_engine(lambda client: stats.int_id in lora_manager(client)._adapter_manager._active_adapters)
+    assert engine.run_in_engine(active)
 
 
 def test_a_version_in_flight_is_never_recycled(engine, tiny_model):

@@ -261,7 +261,7 @@ def hotswap_problems(sources: dict[str, tuple[str, ...]] | None = None) -> list[
         problems.append("vllm.utils.torch_utils.PIN_MEMORY is gone")
     import torch
 
-    problems += [f"torch.{name} is gone" for name in ("_foreach_copy_", "_foreach_zero_", "_foreach_mul_") if not hasattr(torch, name)]
+    problems += [f"torch.{name} is gone" for name in ("_foreach_copy_", "_foreach_zero_") if not hasattr(torch, name)]
     return problems
 
 

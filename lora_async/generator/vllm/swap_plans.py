@@ -28,6 +28,7 @@ Every vLLM internal used here is checked by `compat.check_vllm_compat()`.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,7 +191,7 @@ class SlotPlan:
                or stack.shape[:2] != first.shape[:2] for p, stack in blocks.items()):
             return False
         slots, sizes = first.shape[0], [math.prod(shape) for shape in plan.shapes]
-        starts = [sum(sizes[:p]) for p in range(len(sizes))]
+        starts = [0, *itertools.accumulate(sizes)][:-1]
         base = first._base
         if (base is not None and base.dim() == 2 and tuple(base.shape) == (slots, sum(sizes))
                 and all(blocks[p]._base is base and blocks[p].storage_offset() - base.storage_offset() == starts[p]
