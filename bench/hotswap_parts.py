@@ -5,8 +5,8 @@
 Publishes `--versions` successive versions of one adapter (as `lora-async bench sync` does:
 the learner's gathered buffer, the engine pinned to `--cpus`, one greedy token on each new
 version) and times each part of the publish by wrapping the function that does it: lora-async's
-structure check, the worker's registration and its parts (the slot write with the lora_B
-scaling, the value check on the copy, vLLM's `add_adapter`), retiring the drained version, and
+structure check, the worker's registration and its parts (the slot write: clearing, then the
+copy with the lora_B scaling and the value check, piece by piece; vLLM's `add_adapter`), retiring the drained version, and
 vLLM's punica mapping on the first batch that names the new slot. Prints the median of each
 part and of the whole publish; "hand-off" is what the publish spends outside those parts (the
 engine thread's command queue, vLLM's `collective_rpc`, the registry). A measuring tool, not a
@@ -66,7 +66,7 @@ def main() -> None:
     timed(validate.StructureCheck, "__call__", "structure check (lora-async)")
     timed(hotswap.HotSwap, "add", "worker registration, all of it")
     timed(hotswap.HotSwap, "_write_region", "  slot write + lora_B scaling + value check")
-    timed(hotswap, "finite_flat", "    value check on the copy")
+    timed(hotswap, "copy_scaled", "    copy, lora_B scaling, value check (piecewise)")
     timed(manager.LRUCacheLoRAModelManager, "add_adapter", "  vLLM add_adapter")
     timed(hotswap.HotSwap, "remove", "retire the drained version")
     timed(manager.LoRAModelManager, "_set_adapter_mapping", "vLLM punica mapping (first batch)")

@@ -28,6 +28,7 @@ import torch
 
 from ..validate import finite_flat
 from . import compat
+from .piecewise import copy_scaled
 from .swap_plans import ModelPlan, SlotPlan, SlotViews, Spare, weight_at
 
 log = logging.getLogger(__name__)
@@ -148,19 +149,17 @@ class HotSwap:
 
     def _write_region(self, views: SlotViews, plan: ModelPlan, flat: torch.Tensor, borrowed: bool) -> None:
         """Write a version into a free slot laid out as the plan, from the sender's buffer laid
-        out alike, as vLLM's build and activation would: clear what it does not write, one copy
-        (`copy_` casts as `.to(dtype)`), lora_B `*= scaling` in the slot's dtype (as
-        `LoRALayerWeights.optimize`: the same operations, the same bits), then one value check
-        on the copy (a refused version leaves the slot free)."""
+        out alike, as vLLM's build and activation would: clear what it does not write, then one
+        copy (`copy_` casts as `.to(dtype)`) with lora_B `*= scaling` in the slot's dtype (as
+        `LoRALayerWeights.optimize`: the same operations, the same bits) and the value check,
+        piece by piece (`copy_scaled`; a refused version leaves the slot free)."""
         assert views.region is not None
-        with torch.no_grad():
-            if views.zeros:
+        if views.zeros:
+            with torch.no_grad():
                 torch._foreach_zero_(views.zeros)
-            views.region.copy_(flat)
-            for start, end, factor in plan.scale:
-                views.region[start:end].mul_(factor)
+        finite = copy_scaled(views.region, flat, plan.scale, check=borrowed)
         self.stats.one_copy += 1
-        if borrowed and not finite_flat(views.region):
+        if not finite:
             raise InvalidValues("tensors contain NaN or Inf")
 
     def remove(self, manager: Any, int_id: int) -> bool:

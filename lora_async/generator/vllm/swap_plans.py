@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from . import compat
+from .piecewise import copy_scaled
 
 Loc = tuple[str, int | None, bool]  # (module key in LoRAModel.loras, slice of a packed module, is lora_B)
 
@@ -306,15 +307,15 @@ class ModelPlan:
         with one copy when the sender's `flat` buffer (its tensors' backing, in their order)
         is laid out as this plan (returns True), else tensor by tensor."""
         one_copy = self.dense_source(tensors, flat, spare.flat.numel())
+        if one_copy:
+            assert flat is not None
+            copy_scaled(spare.flat, flat, self.scale, check=False)
+            return True
         with torch.no_grad():
-            if one_copy:
-                assert flat is not None
-                spare.flat.copy_(flat)  # casts as .to(dtype)
-            else:
-                torch._foreach_copy_(spare.views, [tensors[name] for name in self.names])
+            torch._foreach_copy_(spare.views, [tensors[name] for name in self.names])
             for start, end, factor in self.scale:
                 spare.flat[start:end].mul_(factor)  # lora_B *= scaling, as LoRALayerWeights.optimize
-        return one_copy
+        return False
 
     def dense_source(self, tensors: dict[str, torch.Tensor], flat: torch.Tensor | None, numel: int) -> bool:
         """`flat` holds `tensors` end to end in this plan's order (checked at both ends)."""
