@@ -19,7 +19,8 @@ routes requests; registering versions on every replica is `versions.ReplicaVersi
   environment group, turn after turn) go where the first went while that replica is up, so
   their contexts stay in its prefix cache; a turn moves only when its replica goes down.
 - **Faults.** A request whose replica died is resubmitted to another (on the newest version),
-  up to `MAX_RESUBMITS` times, then counted lost. Watching, restarts and the all-down timeout
+  up to `MAX_RESUBMITS` times, then counted lost. Its wait ends when Ray reports the death, or
+  when the watcher finds the replica restarted (`health.answer`), whichever comes first. Watching, restarts and the all-down timeout
   are `health.py`'s.
 
 Blocking calls (`register`, `close`) come from the orchestrator's threads; requests and the
@@ -44,7 +45,7 @@ from ..spec import EngineSpec
 from ..types import Delivery, GenRequest, GenResult, GeneratorDead, GenStatus, PublishStats, hand_back
 from ..validate import BaseShapes, VersionCheck
 from . import cluster as ray_cluster
-from .health import PING_TIMEOUT_S, RayStats, ReplicaState
+from .health import PING_TIMEOUT_S, RayStats, ReplicaGone, ReplicaState, answer
 from .replica import Replica
 from .versions import ReplicaVersions
 
@@ -219,7 +220,7 @@ class RayGenerator(ReplicaVersions):
             raise
 
     async def _serve(self, request: GenRequest, on_done: Callable[[GenResult], None]) -> None:
-        errors = ray_cluster.actor_errors()
+        errors: tuple[type[BaseException], ...] = (*ray_cluster.actor_errors(), ReplicaGone)
         resubmits = 0
         while True:
             replica = await self._route(request)
@@ -241,7 +242,8 @@ class RayGenerator(ReplicaVersions):
             self.stats.replica_request(replica.index)
             failure: BaseException | None = None
             try:
-                result: GenResult = await replica.actor.generate.remote(pinned)
+                result: GenResult = await answer(replica.actor.generate.remote(pinned), replica.gone,
+                                                 f"replica {replica.index}")
             except errors as exc:
                 failure = exc
             except Exception as exc:  # the replica raised: this request failed, the replica is fine

@@ -6,8 +6,9 @@
 - `ReplicaHealth` (the base of `versions.ReplicaVersions`, itself the base of `RayGenerator`)
   starts every replica's engine at the run's start, and runs one watcher per replica: a ping
   every `WATCH_S`; a dead or silent replica leaves routing; a new incarnation (Ray restarted the
-  actor) is started and caught up (`ReplicaVersions._catch_up`) before it routes again; every replica down longer than
-  `down_timeout_s` kills the generator. It runs on the generator's asyncio loop.
+  actor) ends the wait of every call still held by the old one (`answer`), and is started and
+  caught up (`ReplicaVersions._catch_up`) before it routes again; every replica down longer
+  than `down_timeout_s` kills the generator. It runs on the generator's asyncio loop.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, TypeVar
 
 from ..types import GeneratorStats
 from . import cluster as ray_cluster
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WATCH_S = 0.5  # how often each replica is pinged
 PING_TIMEOUT_S = 15.0  # a replica that does not answer a ping for this long is taken out of routing
@@ -85,6 +87,34 @@ class ReplicaState:
     seen: dict[str, float] = field(default_factory=dict)  # engine counters at the last ping (this incarnation)
     down_since: float | None = None
     last_error: str | None = None
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # set when this incarnation is replaced
+
+    def replaced(self) -> None:
+        """Its process was replaced: wake every call still waiting on the old one (`answer`)."""
+        self.gone.set()
+        self.gone = asyncio.Event()
+
+
+class ReplicaGone(Exception):
+    """A call's replica was replaced while the call waited: its answer will never come."""
+
+
+async def answer(call: Awaitable[T], gone: asyncio.Event, what: str) -> T:
+    """`call`'s result, or ReplicaGone once `gone` is set. A call to an actor that was killed can
+    stay pending after Ray restarts the actor (seen under load: a request waited 600 s on a
+    replica restarted at its second minute), so the watcher's proof that the process was
+    replaced ends the wait, and the request goes to another replica."""
+    pending = asyncio.ensure_future(call)
+    waiter = asyncio.ensure_future(gone.wait())
+    try:
+        await asyncio.wait({pending, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not pending.done():
+            pending.cancel()
+    if pending.done() and not pending.cancelled():
+        return pending.result()
+    raise ReplicaGone(f"{what}: its process was replaced while it held this call")
 
 
 class ReplicaHealth:
@@ -166,6 +196,7 @@ class ReplicaHealth:
 
     async def _restarted(self, replica: ReplicaState) -> None:
         replica.routable = False
+        replica.replaced()
         self.stats.replica_restarted()
         log.warning("replica %d was restarted by Ray; starting its engine and registering the live versions",
                     replica.index)
