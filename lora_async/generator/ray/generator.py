@@ -20,8 +20,8 @@ routes requests; registering versions on every replica is `versions.ReplicaVersi
   their contexts stay in its prefix cache; a turn moves only when its replica goes down.
 - **Faults.** A request whose replica died is resubmitted to another (on the newest version),
   up to `MAX_RESUBMITS` times, then counted lost. Its wait ends when Ray reports the death, or
-  when the watcher finds the replica restarted (`health.answer`), whichever comes first. Watching, restarts and the all-down timeout
-  are `health.py`'s.
+  when the watcher finds the replica restarted (`health.answer`), whichever comes first.
+  Watching, restarts and the all-down timeout are `health.py`'s.
 
 Blocking calls (`register`, `close`) come from the orchestrator's threads; requests and the
 watchers run on this generator's own asyncio loop thread, which awaits Ray's object refs.
