@@ -276,8 +276,11 @@ def test_several_rewards_combine_by_weight_and_each_has_its_metric(tmp_path, mon
         assert row["reward/half"] == 0.5 and "reward/regex" in row
         assert "reward/skip_all" not in row  # it scored nothing: no mean, and nothing added to the sum
         assert row["reward_mean"] == pytest.approx(row["reward/regex"] + 2 * 0.5)
-        # the user functions' calls are timed: one per sample (half), one per group (skip_all)
-        assert 0 <= row["reward_wait_s_p50"] <= row["reward_wait_s_p95"]
+    # the user functions' calls are timed: one per sample (half), one per group (skip_all). A step
+    # row holds the calls that ended within it; on a busy machine every call may end in another's.
+    timed = [row for row in rows if "reward_wait_s_p50" in row]
+    assert timed and all(0 <= row["reward_wait_s_p50"] <= row["reward_wait_s_p95"] for row in timed)
+    assert summary["reward_wait_calls"] >= 3 * 8  # at least one per sample of every step
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
     assert lines and all("half 0.50" in line and "(regex " in line for line in lines)
 
