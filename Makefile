@@ -33,7 +33,7 @@ endef
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(call install_with,dev$(COMMA)ray$(COMMA)tasks)
+	$(call install_with,dev$(COMMA)ray$(COMMA)tasks$(COMMA)wandb$(COMMA)trackio$(COMMA)mlflow)
 	touch $(STAMP)
 
 demo: install

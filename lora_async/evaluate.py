@@ -43,10 +43,16 @@ class EvalEngine:
     def run_many(self, source: RolloutSource, adapters: list[str | None], limit: int = 0) -> list[EvalResult]:
         """Evaluate each of `adapters` at once: their episodes share the engine's batches (a
         multi-LoRA batch), and one's tool calls overlap another's decoding."""
+        from .progress import stage
+
         generate = generate_async(self.generator)
+        each = min(limit, source.heldout_size) if limit else source.heldout_size
+        names = ", ".join(a or "the base" for a in adapters)
 
         async def all_of() -> list[EvalResult]:
-            return list(await asyncio.gather(*(source.evaluate(generate, self.tokenizer, a, limit) for a in adapters)))
+            with stage(f"eval {names}: {each} held-out problems each", each * len(adapters)) as progress:
+                return list(await asyncio.gather(*(source.evaluate(generate, self.tokenizer, a, limit, progress.advance)
+                                                   for a in adapters)))
 
         return asyncio.run(all_of())
 
@@ -61,6 +67,7 @@ def eval_engine(config: "TrainConfig", max_lora_rank: int,
     from .learner.served_base import generator_base
     from .models import resolve_model
     from .placement import place_run, resolve
+    from .progress import stage
     from .staleness import StalenessWindow
 
     if config.engine_settings is None:  # running servers: the config says nothing of how to build an engine
@@ -74,7 +81,9 @@ def eval_engine(config: "TrainConfig", max_lora_rank: int,
     placement = resolve(device, None, config.learner.device, None, concurrent=False)[0]
     spec = EngineSpec.from_config(config, base_dir, placement.device, adapters=adapters, window=StalenessWindow(0),
                                   max_lora_rank=max_lora_rank, separate_process=False)
-    with VllmGenerator(spec, placement) as generator:
+    with stage(f"starting the vLLM engine ({placement.device})"):
+        generator = VllmGenerator(spec, placement)
+    with generator:
         yield EvalEngine(generator, AutoTokenizer.from_pretrained(model_dir))
 
 

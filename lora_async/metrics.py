@@ -1,5 +1,6 @@
 """Run metrics: `OUT/metrics.jsonl` (one line per learner step, plus eval and canary lines),
-TensorBoard, and what the console shows while a run trains (`run_console`).
+the experiment trackers of `run.report_to` (`trackers/`: TensorBoard by default), and what the
+console shows while a run trains (`progress.run_console`).
 
 On a terminal the console shows a rich progress bar that follows whichever limit will end the
 run (steps, or the time budget when that comes first). Elsewhere (nohup, CI, a log file) it
@@ -22,10 +23,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .progress import Stage
 from .timing import IDLE_CAUSES
 
 if TYPE_CHECKING:
     from .config import RunConfig
+    from .trackers import Trackers
 
 STEP_KEYS = (
     "step", "adapter", "version", "wall_s", "reward_mean", "reward_std", "samples",
@@ -39,15 +42,6 @@ STEP_KEYS = (
 # Summary keys `where_the_time_went` shows (in a fleet, per-call ones are prefixed "<adapter>.").
 TIME_KEY = re.compile(r"(^|\.)(training_s|gen_compute_s|gen_idle(_[a-z]+)?_s|learner_(compute|wait|other)_s"
                       r"|(reward|tool|env)_wait_(s_p50|s_p95|calls))$")
-
-
-def run_console() -> Console:
-    """The console a run's status lines go to (stderr). On a terminal rich wraps a long line to
-    its width; elsewhere (`make demo > log`, CI, nohup) nothing does, so each status line (a
-    `mode:` decision with its reasons) stays one line instead of breaking at 80 columns."""
-    console = Console(stderr=True)
-    console.soft_wrap = not console.is_terminal
-    return console
 
 
 def _clean(value: Any) -> Any:
@@ -137,20 +131,15 @@ def duration(seconds: float) -> str:
 
 
 class MetricsWriter:
-    """One JSONL line per step (and per eval/canary), TensorBoard, and the console view."""
+    """One JSONL line per step (and per eval/canary), the trackers, and the console view."""
 
-    def __init__(self, out_dir: Path, adapters: list[str], run: "RunConfig", console: Console) -> None:
+    def __init__(self, out_dir: Path, adapters: list[str], run: "RunConfig", console: Console,
+                 trackers: "Trackers | None" = None) -> None:
         self.path = out_dir / "metrics.jsonl"
         self.console = console
         self.limits = run
         self._file = open(self.path, "a", buffering=1)
-        self._tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(out_dir / "tb"))
-        except Exception as exc:  # tensorboard missing: keep the JSONL, say so once
-            console.print(f"[yellow]TensorBoard disabled: {exc}[/]")
+        self.trackers = trackers
         self._adapters = list(adapters)
         self._accuracy: dict[str, tuple[float, int]] = {}  # per adapter: the newest eval (accuracy, its step)
         self._last_line = -math.inf
@@ -170,7 +159,8 @@ class MetricsWriter:
     def step(self, row: dict[str, Any]) -> None:
         row = {k: _clean(v) for k, v in row.items()}
         self._file.write(json.dumps(row) + "\n")
-        self._scalars(row.get("adapter", "main"), row)
+        if self.trackers is not None:
+            self.trackers.step(row)
         tps = row.get("tokens_generated_total", 0) / max(time.perf_counter() - self._started, 1e-9)
         if self._progress is not None:
             done, total, limit = self._nearer_limit(row["step"], row["wall_s"])
@@ -212,22 +202,32 @@ class MetricsWriter:
         self._file.write(json.dumps(row) + "\n")
         if row.get("kind") == "eval" and row.get("accuracy") is not None:
             self._accuracy[row["adapter"]] = (row["accuracy"], int(row.get("step") or 0))
-        self._scalars(row.get("kind", "event"), row)
+        if self.trackers is not None:
+            self.trackers.event(row)
 
-    def _scalars(self, prefix: str, row: dict[str, Any]) -> None:
-        if self._tb is None or "step" not in row:
-            return
-        for key, value in row.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                self._tb.add_scalar(f"{prefix}/{key}", value, int(row["step"]))
+    def stage(self, what: str, total: int) -> Stage:
+        """A wait inside the run (an eval): a row of the training bar while it is live."""
+        found = Stage(what, total, self.console)
+        if self._progress is None:
+            return found
+        return found.attach(self._progress, lambda done, _total: {"limit": f"{done:g}/{total} problems", "reward": "-",
+                                                                   "tps": "-", "lag": "-"})
 
     def set_completed(self, adapter: str, step: int) -> None:
         if self._progress is not None:
             self._progress.update(self._tasks[adapter], completed=step, limit=f"{step}/{self.limits.max_steps} steps")
 
     def close(self) -> None:
+        """The file and the display; the trackers stay open for the summary (`finish_trackers`)."""
         if self._progress is not None:
             self._progress.stop()
-        if self._tb is not None:
-            self._tb.close()
         self._file.close()
+
+    def finish_trackers(self, summary: dict[str, Any] | None, step: int, failed: bool) -> None:
+        """The summary to each tracker (None: the run ended without one), then close them."""
+        if self.trackers is None:
+            return
+        if summary is not None:
+            self.trackers.summary(summary, step)
+        self.trackers.close(failed)
+        self.trackers = None

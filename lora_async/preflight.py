@@ -3,6 +3,7 @@
 `lora-async train` runs them first, so a setting that cannot work fails in seconds. Without
 them it would fail after a multi-minute model load with a traceback. The checks are:
 - the model name names a model (nothing is built or downloaded);
+- the experiment trackers `run.report_to` names are installed (their extras);
 - placement: the devices and cores exist;
 - Ray, for a `generator.type = "ray"` run (the `ray` extra);
 - the installed vLLM release;
@@ -115,11 +116,19 @@ def check_sandbox(config: "TrainConfig") -> None:
                 raise PreflightError(str(exc)) from None
 
 
+def check_trackers(config: "TrainConfig") -> None:
+    """Each tracker `run.report_to` names is installed (found, not imported: seconds saved)."""
+    from .trackers import check_installed
+
+    check_installed(config.run.report_to)
+
+
 def preflight(config: "TrainConfig") -> None:
     """Every check that needs no model: raises PreflightError on the first that fails."""
     from .placement import PlacementError, place_run
 
     check_model(config)
+    check_trackers(config)
     try:
         generator, ranks = place_run(config)
     except PlacementError as exc:

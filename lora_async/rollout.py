@@ -147,8 +147,10 @@ class RolloutSource(Protocol):
     async def rollout(self, index: int, ctx: RolloutContext) -> GroupRollout:
         """Generate and score training group `index` (deterministic for a seed and index)."""
 
-    async def evaluate(self, generate: Generate, tokenizer: Tokenizer, adapter: str | None, limit: int = 0) -> EvalResult:
-        """Greedy held-out evaluation of `adapter` (None: the base); `limit` > 0 takes the first few."""
+    async def evaluate(self, generate: Generate, tokenizer: Tokenizer, adapter: str | None, limit: int = 0,
+                       done: Callable[[], None] | None = None) -> EvalResult:
+        """Greedy held-out evaluation of `adapter` (None: the base); `limit` > 0 takes the first
+        few. `done` is called as each problem (or episode) is scored (a progress display)."""
 
     async def probe_prompt(self, tokenizer: Tokenizer) -> list[int] | None:
         """The canary's prompt (None: none to give)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ import pytest
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Trackio reads its store's place once, at import: one store for the session, never the user's.
+os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="lora-async-trackio-")
 
 REPO = Path(__file__).resolve().parent.parent
 TIER_ENV = "LORA_ASYNC_TEST_TIER"

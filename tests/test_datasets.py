@@ -234,7 +234,9 @@ def test_train_exits_2_with_one_line_for_a_missing_column(tmp_path):
                             text=True, timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = (result.stdout + result.stderr).strip().splitlines()
-    assert lines == [f"error: task.prompt_column: 'question' is not a column of {path} (its columns: q, a)"]
+    # the check's status line as it began, then the error in one line (in place of "done")
+    assert lines == [f"task: loading and checking the dataset {path} ...",
+                     f"error: task.prompt_column: 'question' is not a column of {path} (its columns: q, a)"]
     assert not (tmp_path / "out").exists()
 
 

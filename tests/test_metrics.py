@@ -9,7 +9,8 @@ import pytest
 from rich.console import Console
 
 from lora_async.config import RunConfig
-from lora_async.metrics import MetricsWriter, read_metrics, run_console
+from lora_async.metrics import MetricsWriter, read_metrics
+from lora_async.progress import run_console
 from lora_async.orchestrator import train
 
 from .fakes import FakeParts

@@ -3,6 +3,8 @@ each at its lag, scored off the clock, kept on a rerun."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -54,6 +56,18 @@ def test_arms_train_at_their_lag_on_one_engine_and_are_scored_and_kept(in_tmp, t
     assert sum("kept" in line for line in lines) == 4 and not any("training" in line or "scoring" in line
                                                                  for line in lines)
     assert again["table"] == result["table"]
+    # `lora-async compare` reads the bench's own output: one column per arm, the same curves
+    from lora_async.cli import app
+
+    shown = CliRunner().invoke(app, ["compare", str(in_tmp / "st"), "--plot", str(in_tmp / "compare.png")])
+    assert shown.exit_code == 0, shown.output
+    assert all(name in shown.output for name in result["arms"]) and "loss.type" in shown.output
+    assert (in_tmp / "compare.png").stat().st_size > 10_000
+    figures = CliRunner().invoke(app, ["compare", str(in_tmp / "st"), "--json"])
+    by_arm = {f["run"]: f for f in json.loads(figures.output)}
+    assert set(by_arm) == set(result["arms"])
+    for name, arm in result["arms"].items():
+        assert by_arm[name]["steps"] == 4 and by_arm[name]["accuracy_final"] == arm["curve"][-1][1]
 
 
 def test_the_cli_refuses_unknown_losses_and_bad_lags_in_one_line(in_tmp, tiny_model):

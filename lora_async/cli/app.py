@@ -1,4 +1,4 @@
-"""Typer app: `lora-async train | plan | eval | plot | adapters | serve | server | bench`."""
+"""Typer app: `lora-async train | plan | eval | plot | compare | adapters | serve | server | bench`."""
 
 from __future__ import annotations
 
@@ -104,6 +104,35 @@ def plot(
     except PlotError as exc:
         fail(str(exc), code=1)
     Console().print(f"wrote {path}")
+
+
+@app.command()
+def compare(
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories, or directories of runs (a bench's output)."),
+    targets: str = typer.Option("0.5,0.7,0.8", "--targets", help="Held-out accuracy marks to time, comma-separated."),
+    plot_to: Optional[Path] = typer.Option(None, "--plot", help="Also draw the held-out curves to this PNG."),
+    as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON instead of the table."),
+) -> None:
+    """Runs side by side: the settings that differ, held-out accuracy, time to targets, tokens/s, time split."""
+    from ..compare import CompareError, compare_table, figures, plot_compare, read_runs
+
+    try:
+        marks = tuple(float(t) for t in targets.split(",") if t.strip())
+    except ValueError:
+        fail(f"--targets: {targets!r} is not a comma-separated list of numbers", code=2)
+    try:
+        columns = read_runs(run_dirs)
+        if as_json:
+            print(json.dumps([figures(c, marks) for c in columns], indent=2))
+        else:
+            console = Console()
+            if not console.is_terminal:  # a log or a pipe: the table whole, not folded to 80 columns
+                console = Console(width=max(80, 36 + 22 * len(columns)))
+            console.print(compare_table(columns, marks))
+        if plot_to is not None:
+            Console(stderr=as_json).print(f"wrote {plot_compare(columns, plot_to)}")
+    except CompareError as exc:
+        fail(str(exc), code=2)
 
 
 @adapters_app.command("list")

@@ -196,6 +196,10 @@ class BufferConfig(Section):
         return self.mode == "async" and not self.synchronous and self.fixed_lag is None
 
 
+Tracker = Literal["tensorboard", "wandb", "trackio", "mlflow", "none"]
+_DEFAULT_TRACKERS: list[Tracker] = ["tensorboard"]
+
+
 class RunConfig(Section):
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for task sampling, init and vLLM.")
     max_steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps to run.")
@@ -223,3 +227,22 @@ class RunConfig(Section):
                     "(0 = every step).",
     )
     engine_log: bool = Field(False, description="Let vLLM log at INFO level.")
+    report_to: list[Tracker] = Field(
+        default_factory=lambda: _DEFAULT_TRACKERS.copy(), min_length=1,
+        description="Experiment trackers every step row, eval, mode event and the summary go to, beside "
+                    "OUT/metrics.jsonl: tensorboard (OUT/tb), wandb, trackio, mlflow (each an extra: "
+                    "pip install 'lora-async[wandb]'), or [\"none\"].",
+    )
+    tracker_project: str = Field(
+        "lora-async", min_length=1, max_length=128,
+        description="The wandb and trackio project, and the MLflow experiment, runs are reported under.",
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _one_each(cls, value: list[Tracker]) -> list[Tracker]:
+        if len(set(value)) != len(value):
+            raise ValueError("names a tracker twice")
+        if "none" in value and len(value) > 1:
+            raise ValueError('"none" cannot be listed with a tracker')
+        return value

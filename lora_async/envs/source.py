@@ -19,7 +19,7 @@ import dataclasses
 import importlib
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from ..buffer import Group, TrainSample, group_advantages
 from ..config import EnvTask
@@ -195,10 +195,17 @@ class EnvSource:
         group = Group(self.adapter, min(s.version for s in samples), index, samples, episodes=stats)
         return GroupRollout(group, tokens=tokens, episodes=stats, fault=fault)
 
-    async def evaluate(self, generate: Generate, tokenizer: Tokenizer, adapter: str | None, limit: int = 0) -> EvalResult:
+    async def evaluate(self, generate: Generate, tokenizer: Tokenizer, adapter: str | None, limit: int = 0,
+                       done: Callable[[], None] | None = None) -> EvalResult:
         """Greedy episodes on the held-out split: success rate (`accuracy`), turns and tool use."""
-        played = await asyncio.gather(*(self.play(i, "eval", tokenizer, self.eval_settings, generate, adapter, None)
-                                        for i in self.heldout()[: limit or None]), return_exceptions=True)
+
+        async def one(index: int) -> Trajectory:
+            trajectory = await self.play(index, "eval", tokenizer, self.eval_settings, generate, adapter, None)
+            if done is not None:
+                done()
+            return trajectory
+
+        played = await asyncio.gather(*(one(i) for i in self.heldout()[: limit or None]), return_exceptions=True)
         failed = next((p for p in played if isinstance(p, BaseException)), None)
         if failed is not None:
             raise RuntimeError(f"evaluation episode failed: {failed}")

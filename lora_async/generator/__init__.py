@@ -47,9 +47,11 @@ def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement
     gen = config.generator
     match gen:
         case VllmGeneratorConfig():
+            from ..progress import stage
             from .engine import EngineSpec, VllmGenerator
 
-            return VllmGenerator(EngineSpec.from_config(config, model_dir, placement.device), placement)
+            with stage(f"starting the vLLM engine ({placement.device})"):
+                return VllmGenerator(EngineSpec.from_config(config, model_dir, placement.device), placement)
         case ServerGeneratorConfig():
             from .server import ServerGenerator
 

@@ -24,10 +24,9 @@ import contextlib
 import fcntl
 import json
 import shutil
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import blake3
 import torch
@@ -36,6 +35,7 @@ from ..base_recipe import Recipe
 from ..dtypes import resolve_dtype, torch_dtype
 from ..files import replaced_dir, write_text_atomic
 from ..models import ModelError, cache_dir
+from ..progress import Stage, gigabytes, stage
 from .base_weights import copy_bytes, learner_weights, quantised_base
 
 if TYPE_CHECKING:
@@ -149,10 +149,9 @@ def served_base(model_dir: Path, recipe: Recipe, console: "Console | None" = Non
                 return entry
             if problem != "missing":
                 console.print(f"[yellow]{entry} {problem}: building it again[/]")
-            console.print(f"[bold]Building the generator's base[/] ({recipe.describe()}; one time) into {entry}")
-            began = time.perf_counter()
-            export_base(model_dir, recipe, entry, {**identity, "source": str(model_dir)}, memo)
-            console.print(f"  built in {time.perf_counter() - began:.1f} s")
+            with stage(f"building the generator's base ({recipe.describe()}; one time) into {entry}",
+                       console=console, unit=gigabytes) as progress:
+                export_base(model_dir, recipe, entry, {**identity, "source": str(model_dir)}, memo, progress)
         _remove_superseded(root, entry, str(model_dir), recipe)
     return entry
 
@@ -199,10 +198,10 @@ def _remove_superseded(root: Path, keep: Path, source: str, recipe: Recipe) -> N
 
 
 def export_base(model_dir: Path, recipe: Recipe, entry: Path, identity: dict[str, Any] | None = None,
-                memo: dict[str, list] | None = None) -> dict[str, Any]:
+                memo: dict[str, list] | None = None, progress: Stage | None = None) -> dict[str, Any]:
     """Write `recipe`'s dequantised copy of `model_dir` to `entry` (replaced whole, or left as it
     was if this fails); returns what its `.complete` records. `served_base` caches it; the GPU
-    check times it alone."""
+    check times it alone. `progress`: told the bytes to write, and each tensor's as it is."""
     memo = {} if memo is None else memo
     try:
         base = quantised_base(model_dir, recipe)
@@ -212,9 +211,12 @@ def export_base(model_dir: Path, recipe: Recipe, entry: Path, identity: dict[str
         raise ServedBaseError(f"could not load {model_dir} as the learner does ({recipe.quantization}) to build "
                               f"the generator's base: {error_line(exc)}") from exc
     compute = torch_dtype(recipe.dtype)
-    _check_disk(entry.parent, copy_bytes(base, compute))
+    need = copy_bytes(base, compute)
+    _check_disk(entry.parent, need)
+    if progress is not None:
+        progress.set_total(need)
     with _one_line_os_errors(entry), replaced_dir(entry) as tmp:
-        weights = write_shards(tmp, learner_weights(base, compute))
+        weights = write_shards(tmp, learner_weights(base, compute), None if progress is None else progress.advance)
         del base
         for path in _content_files(model_dir):
             if path.suffix not in WEIGHT_SUFFIXES and not path.name.endswith(".index.json"):
@@ -250,8 +252,10 @@ def _one_line_os_errors(entry: Path) -> Iterator[None]:
         raise ServedBaseError(f"could not write the generator's base to {entry}: {exc.strerror or exc}") from exc
 
 
-def write_shards(out: Path, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
-    """safetensors shards of at most `SHARD_BYTES` plus the HF index; returns the tensor count."""
+def write_shards(out: Path, tensors: Iterator[tuple[str, torch.Tensor]],
+                 written: Callable[[int], None] | None = None) -> int:
+    """safetensors shards of at most `SHARD_BYTES` plus the HF index; returns the tensor count.
+    `written`: told each tensor's bytes once its shard is on disk."""
     from safetensors.torch import save_file
 
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -261,6 +265,8 @@ def write_shards(out: Path, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > SHARD_BYTES:
             save_file(shards[-1], str(out / f"part-{len(shards)}.safetensors"), metadata={"format": "pt"})
+            if written is not None:
+                written(size)
             shards[-1] = {}
             shards.append({})
             names.append([])
@@ -270,6 +276,8 @@ def write_shards(out: Path, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
         size += nbytes
         count += 1
     save_file(shards[-1], str(out / f"part-{len(shards)}.safetensors"), metadata={"format": "pt"})
+    if written is not None:
+        written(size)
     total = len(shards)
     weight_map = {}
     for i, group in enumerate(names, 1):

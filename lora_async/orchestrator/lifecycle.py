@@ -31,6 +31,7 @@ from ..sync.transports import Transport
 from ..tasks import make_source
 from ..timing import TimeBoard
 from ..tokenizer import Tokenizer
+from ..trackers import Trackers, run_info
 from .admission import Admission
 from .auto import start_mode, start_window
 from .periodic import checkpoint, evaluate_all, save_adapter
@@ -165,10 +166,14 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
             pool.submit(learner.close)
         pool.shutdown(wait=False)
         raise
+    trackers = Trackers(config.run.report_to, run_info(out_dir, config.run.tracker_project,
+                                                       config.model_dump(mode="json"), list(adapters)),
+                        resumed=checkpoint_path is not None, say=console.print)
     run = Run(config=config, out_dir=out_dir, console=console, adapters=adapters, tokenizer=tokenizer,
               generator=generator, transport=transport, learner=learner, learner_pool=pool,
               buffer=RolloutBuffer(config.buffer.max_tokens, window, config.buffer.stale_policy),
-              store=AdapterStore(out_dir), metrics=MetricsWriter(out_dir, list(adapters), config.run, console),
+              store=AdapterStore(out_dir),
+              metrics=MetricsWriter(out_dir, list(adapters), config.run, console, trackers),
               window=window, choice=choice, auto=auto, board=board)
     if state is not None:
         restore(run, state)
@@ -251,6 +256,9 @@ async def finish_run(run: Run) -> dict[str, Any]:
                 await evaluate_all(run, "end")
         elif run.global_step > 0:  # keep what was learned before the failure
             await checkpoint(run)
+    except BaseException:
+        run.metrics.finish_trackers(None, run.global_step, failed=True)
+        raise
     finally:
         run.metrics.close()
         run.transport.close()
@@ -261,6 +269,7 @@ async def finish_run(run: Run) -> dict[str, Any]:
         run.learner_pool.shutdown(wait=True)
     summary = run_summary(run)
     (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    await asyncio.to_thread(run.metrics.finish_trackers, summary, run.global_step, run.error is not None)
     run.console.print(summary_table(summary))
     split = where_the_time_went(summary)
     if split is not None:

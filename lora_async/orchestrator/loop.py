@@ -25,7 +25,7 @@ from rich.console import Console
 from ..buffer import Group
 from ..config import TrainConfig
 from ..errors import TrainingError
-from ..metrics import run_console
+from ..progress import run_console
 from .auto import begin, observe
 from .batches import start_collectors
 from .lifecycle import Parts, StopSwitch, finish_run, install_stop_signals, setup_run, stop_workers

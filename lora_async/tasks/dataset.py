@@ -69,7 +69,10 @@ class DatasetProblems(RecordProblems):
 def check_dataset(config: DatasetTask, where: str) -> None:
     """Load the dataset (a local one in a second; a hub one downloads once, then is cached) and
     check its splits, columns, prompts and held-out rows. Raises `TaskDataError`."""
-    open_dataset(config, where)
+    from ..progress import stage
+
+    with stage(f"{where}: loading and checking the dataset {config.path}"):
+        open_dataset(config, where)
 
 
 def open_dataset(config: DatasetTask, where: str) -> DatasetRows:

@@ -18,6 +18,7 @@ all at once. Every token keeps the version and the behaviour logprob it was draw
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..buffer import Group, TrainSample, group_advantages
@@ -26,7 +27,7 @@ from ..generator.types import GenRequest, GenResult, GenStatus, Sample
 from ..outcomes import EpisodeStats
 from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext, sub_seed
 from ..tokenizer import Tokenizer, text_of
-from .problems import Task, render_prompt
+from .problems import Problem, Task, render_prompt
 
 GREEDY = 0.0  # vLLM treats temperature 0 as greedy decoding
 UNFINISHED = "abort"  # the finish_reason of a completion a stopped request had not finished
@@ -140,19 +141,25 @@ class SingleTurnSource:
                 drawn.add(result.samples[0], result.version)
         return None
 
-    async def evaluate(self, generate: Generate, tokenizer: Tokenizer, adapter: str | None, limit: int = 0) -> EvalResult:
+    async def evaluate(self, generate: Generate, tokenizer: Tokenizer, adapter: str | None, limit: int = 0,
+                       done: Callable[[], None] | None = None) -> EvalResult:
         task = self.task
         problems = task.heldout()[: limit or None]
-        requests = [GenRequest(render_prompt(tokenizer, p.prompt, task.system_prompt), adapter, n=1,
-                               max_tokens=self.eval_max_tokens, temperature=GREEDY) for p in problems]
-        results = await asyncio.gather(*(generate(r) for r in requests))
-        failed = next((r for r in results if not r.ok or not r.samples), None)
-        if failed is not None:
-            raise RuntimeError(f"evaluation request failed ({failed.status.value}): {failed.error}")
-        texts = [text_of(tokenizer.decode(r.samples[0].token_ids, skip_special_tokens=True)) for r in results]
-        scored = await asyncio.gather(*(task.rewards.score(p.batch([t], [r.samples[0].token_ids]))
-                                        for p, t, r in zip(problems, texts, results)))
-        rewards = [s.rewards[0] for s in scored]
+
+        async def one(problem: Problem) -> tuple[GenResult, str, float]:
+            """Generate greedily and score (each problem as soon as its answer is in)."""
+            result = await generate(GenRequest(render_prompt(tokenizer, problem.prompt, task.system_prompt), adapter,
+                                               n=1, max_tokens=self.eval_max_tokens, temperature=GREEDY))
+            if not result.ok or not result.samples:
+                raise RuntimeError(f"evaluation request failed ({result.status.value}): {result.error}")
+            text = text_of(tokenizer.decode(result.samples[0].token_ids, skip_special_tokens=True))
+            scored = await task.rewards.score(problem.batch([text], [result.samples[0].token_ids]))
+            if done is not None:
+                done()
+            return result, text, scored.rewards[0]
+
+        answered = await asyncio.gather(*(one(p) for p in problems))
+        results, texts, rewards = [a[0] for a in answered], [a[1] for a in answered], [a[2] for a in answered]
         n = len(rewards)
         return EvalResult(adapter=adapter, version=results[-1].version if results else None,
                           accuracy=sum(r >= 1.0 for r in rewards) / n if n else 0.0,

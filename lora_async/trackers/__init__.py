@@ -1,0 +1,69 @@
+"""Experiment trackers: where a run's figures go beside OUT/metrics.jsonl (`run.report_to`).
+
+| module        | holds                                                                   |
+|---------------|-------------------------------------------------------------------------|
+| `backends.py` | TensorBoard, W&B, Trackio and MLflow behind the same four calls; `check_installed` |
+| `thread.py`   | one background thread per tracker; the marks a resumed run continues from |
+
+`Trackers` is what the metrics writer holds. Every step row, eval, mode event and the summary
+goes to each tracker under the names TensorBoard has always shown: `<adapter>/<key>` for a step
+row, `<kind>/<key>` for an event (`<kind>/<adapter>/<key>` in a fleet), with `key` the name in
+metrics.jsonl; only numbers are sent. A resumed run reopens each tracker's run and skips the
+rows it already holds (a step at or below the last one sent under that name before the kill):
+so the tracker has no step twice, and holds the killed attempt's figures for the steps between
+the checkpoint and the kill.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .backends import BACKENDS, RunInfo, check_installed
+from .thread import Marks, Tracker
+
+__all__ = ["RunInfo", "Trackers", "check_installed", "figures"]
+
+
+def figures(row: dict[str, Any]) -> dict[str, float]:
+    """A row's numbers (booleans and the step itself left out)."""
+    return {k: v for k, v in row.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+
+
+class Trackers:
+    """The run's trackers: rows go on each one's queue; nothing here waits for a tracker."""
+
+    def __init__(self, names: Sequence[str], info: RunInfo, resumed: bool, say: Callable[[str], None]) -> None:
+        self.marks = Marks(info.out_dir / "trackers.json", resumed)
+        self.before = {name: dict(self.marks.data.get(name, {}).get("sent", {})) for name in names}  # the killed attempt's
+        self.fleet = len(info.adapters) > 1
+        self.trackers = [Tracker(BACKENDS[name](info), self.marks, say) for name in names if name != "none"]
+
+    def step(self, row: dict[str, Any]) -> None:
+        self._log(row.get("adapter", "main"), row)
+
+    def event(self, row: dict[str, Any]) -> None:
+        kind = row.get("kind", "event")
+        self._log(f"{kind}/{row['adapter']}" if self.fleet and "adapter" in row else kind, row)
+
+    def _log(self, prefix: str, row: dict[str, Any]) -> None:
+        if "step" not in row:
+            return
+        step, values = int(row["step"]), figures(row)
+        for tracker in self.trackers:
+            last = self.before.get(tracker.name, {}).get(prefix)
+            if last is None or step > last:
+                tracker.put("log", prefix, values, step)
+
+    def summary(self, summary: dict[str, Any], step: int) -> None:
+        for tracker in self.trackers:
+            tracker.put("summary", figures(summary), step)
+
+    def close(self, failed: bool) -> None:
+        for tracker in self.trackers:
+            tracker.close(failed)
+
+
+def run_info(out_dir: Path, project: str, config: dict[str, Any], adapters: list[str]) -> RunInfo:
+    return RunInfo(out_dir=out_dir, project=project, name=out_dir.resolve().name, config=config, adapters=adapters)

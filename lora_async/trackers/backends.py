@@ -1,0 +1,232 @@
+"""The trackers a run reports to, each behind one small class with the same four calls.
+
+`start(kept)` opens the tracker's run, or reopens the one `kept` names (what `start` returned
+when the run began: the run's id in that tracker), and returns what to keep. `log(prefix,
+values, step)` sends one row's figures, named `<prefix>/<key>` as in TensorBoard (`names.py`).
+`summary(values, step)` sends the run's summary figures, and `finish(failed)` closes the
+tracker's run. They are called from one background thread per tracker (`thread.py`), never
+from the training loop.
+
+Every library is imported inside `start`, so a run that does not name it never imports it.
+Each is an extra (`pip install 'lora-async[wandb]'`); `check_installed` says which is missing
+before any model loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from ..errors import UserError
+
+# the module each tracker imports, and what installs it (TensorBoard is a dependency of lora-async)
+MODULES = {"tensorboard": ("tensorboard", "pip install tensorboard"),
+           "wandb": ("wandb", "pip install 'lora-async[wandb]'"),
+           "trackio": ("trackio", "pip install 'lora-async[trackio]'"),
+           "mlflow": ("mlflow", "pip install 'lora-async[mlflow]'")}
+MLFLOW_PARAM_CHARS = 6000  # MLflow refuses a longer parameter value
+MLFLOW_BATCH = 100  # parameters per `log_batch` (MLflow's limit)
+
+
+class TrackerMissing(UserError):
+    """A tracker named in `run.report_to` that is not installed (one line, exit code 2)."""
+
+
+def check_installed(names: Sequence[str]) -> None:
+    """Each tracker `names` lists can be imported; else one line with the pip command."""
+    for name in names:
+        if name in MODULES and importlib.util.find_spec(MODULES[name][0]) is None:
+            raise TrackerMissing(f"run.report_to: {name} is not installed: {MODULES[name][1]}")
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What every tracker is told about the run when it opens it."""
+
+    out_dir: Path
+    project: str  # `run.tracker_project`
+    name: str  # the run's name: its output directory's
+    config: dict[str, Any]  # the resolved config, as OUT/config.json holds it
+    adapters: list[str]  # the fleet's names: tags where the tracker has them
+
+
+class Backend(Protocol):
+    name: str
+
+    def start(self, kept: dict[str, Any] | None) -> dict[str, Any]: ...
+
+    def log(self, prefix: str, values: dict[str, float], step: int) -> None: ...
+
+    def summary(self, values: dict[str, float], step: int) -> None: ...
+
+    def finish(self, failed: bool) -> None: ...
+
+
+def new_id() -> str:
+    import secrets
+
+    return secrets.token_hex(4)
+
+
+class TensorBoardBackend:
+    """OUT/tb, as before (`torch.utils.tensorboard`); a resumed run appends to it."""
+
+    name = "tensorboard"
+
+    def __init__(self, info: RunInfo) -> None:
+        self.info = info
+        self.writer: Any = None
+
+    def start(self, kept: dict[str, Any] | None) -> dict[str, Any]:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(self.info.out_dir / "tb"))
+        return {}
+
+    def log(self, prefix: str, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(f"{prefix}/{key}", value, step)
+
+    def summary(self, values: dict[str, float], step: int) -> None:
+        self.log("summary", values, step)
+
+    def finish(self, failed: bool) -> None:
+        self.writer.close()
+
+
+class WandbBackend:
+    """A W&B run: online, or offline with `WANDB_MODE=offline` (files under OUT/wandb). Each
+    prefix has its own step (`<prefix>/step`, W&B's `define_metric`), so a fleet's adapters and
+    the evals each keep their own x-axis. Resumed with the id kept and `resume="allow"`."""
+
+    name = "wandb"
+
+    def __init__(self, info: RunInfo) -> None:
+        self.info = info
+        self.run: Any = None
+        self.prefixes: set[str] = set()
+
+    def start(self, kept: dict[str, Any] | None) -> dict[str, Any]:
+        import wandb
+
+        run_id = kept["id"] if kept else new_id()
+        info = self.info
+        self.run = wandb.init(project=info.project, id=run_id, resume="allow", name=info.name, dir=str(info.out_dir),
+                              config=info.config, tags=info.adapters, reinit="create_new")
+        return {"id": run_id}
+
+    def log(self, prefix: str, values: dict[str, float], step: int) -> None:
+        if prefix not in self.prefixes:
+            self.prefixes.add(prefix)
+            self.run.define_metric(f"{prefix}/step")
+            self.run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/step")
+        self.run.log({f"{prefix}/step": step, **{f"{prefix}/{k}": v for k, v in values.items()}})
+
+    def summary(self, values: dict[str, float], step: int) -> None:
+        self.run.summary.update(values)
+
+    def finish(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class TrackioBackend:
+    """A Trackio run in its local store (`TRACKIO_DIR`, else the Hugging Face cache), or a Space
+    or server its own settings name. Trackio has no tags: the fleet's names go in the config.
+
+    Trackio's own thread writes what `log` queues every half second; a process killed in between
+    would lose those rows while OUT/trackers.json already counts them sent, and the resumed run
+    would skip them. So each row is written before `log` returns, as that thread writes it
+    (`Run._flush_queues_inline` under `Run._client_lock`: trackio internals, checked by
+    `tests/test_trackers.py`)."""
+
+    name = "trackio"
+
+    def __init__(self, info: RunInfo) -> None:
+        self.info = info
+        self.run: Any = None
+
+    def start(self, kept: dict[str, Any] | None) -> dict[str, Any]:
+        import trackio
+
+        name = kept["name"] if kept else f"{self.info.name}-{new_id()}"  # trackio names a run by its name
+        config = {**self.info.config, "lora_async_adapters": self.info.adapters}
+        self.run = trackio.init(project=self.info.project, name=name, config=config, resume="allow", embed=False,
+                                auto_log_cpu=False, auto_log_gpu=False)
+        return {"name": name}
+
+    def log(self, prefix: str, values: dict[str, float], step: int) -> None:
+        self.run.log({f"{prefix}/{k}": v for k, v in values.items()}, step=step)
+        with self.run._client_lock:
+            self.run._flush_queues_inline()
+
+    def summary(self, values: dict[str, float], step: int) -> None:
+        self.log("summary", values, step)
+
+    def finish(self, failed: bool) -> None:
+        self.run.finish()
+
+
+class MlflowBackend:
+    """An MLflow run in the tracking store MLflow's own settings name (`MLFLOW_TRACKING_URI`,
+    else its default, `sqlite:///mlflow.db`), under the experiment `run.tracker_project`. The
+    config goes in as parameters (dotted names), the fleet's names as tags; a resumed run keeps
+    the parameters it began with (MLflow refuses to change one)."""
+
+    name = "mlflow"
+
+    def __init__(self, info: RunInfo) -> None:
+        self.info = info
+        self.client: Any = None
+        self.run_id = ""
+
+    def start(self, kept: dict[str, Any] | None) -> dict[str, Any]:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = client = MlflowClient()
+        if kept:
+            self.run_id = kept["run_id"]
+            client.update_run(self.run_id, status="RUNNING")
+            return dict(kept)
+        info = self.info
+        experiment = client.get_experiment_by_name(info.project)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(info.project)
+        tags = {"lora_async.adapters": ",".join(info.adapters), **{f"adapter.{a}": "true" for a in info.adapters}}
+        self.run_id = client.create_run(experiment_id, run_name=info.name, tags=tags).info.run_id
+        params = [Param(key, value[:MLFLOW_PARAM_CHARS]) for key, value in flat_params(info.config)]
+        for at in range(0, len(params), MLFLOW_BATCH):
+            client.log_batch(self.run_id, params=params[at:at + MLFLOW_BATCH])
+        return {"run_id": self.run_id}
+
+    def log(self, prefix: str, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(f"{prefix}/{k}", v, now, step) for k, v in values.items()])
+
+    def summary(self, values: dict[str, float], step: int) -> None:
+        self.log("summary", values, step)
+
+    def finish(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def flat_params(config: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """A nested config as (dotted name, value) pairs; a list is one value, as JSON."""
+    import json
+
+    pairs = []
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            pairs += flat_params(value, f"{name}.")
+        else:
+            pairs.append((name, value if isinstance(value, str) else json.dumps(value)))
+    return pairs
+
+
+BACKENDS: dict[str, type] = {"tensorboard": TensorBoardBackend, "wandb": WandbBackend, "trackio": TrackioBackend,
+                             "mlflow": MlflowBackend}
