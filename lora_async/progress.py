@@ -48,6 +48,7 @@ class Stage:
         self._task: TaskID | None = None
         self._fields: Fields | None = None
         self._started = 0.0
+        self._outcome = ""
 
     def attach(self, progress: Progress | None, fields: Fields) -> "Stage":
         """Draw as a row of `progress` (a live display already running), with its `fields`."""
@@ -87,6 +88,10 @@ class Stage:
                 fields = self._fields(self.completed, total) if self._fields is not None else {}
                 self._progress.update(self._task, total=total, **fields)
 
+    def outcome(self, text: str) -> None:
+        """What the wait gave, said on its last line ("eval main: accuracy 0.62, done in 9.1 s")."""
+        self._outcome = f"{text}, "
+
     def phase(self, text: str) -> None:
         """Name the part now running (the bar's text; off a terminal, nothing is printed)."""
         if self._progress is not None and self._task is not None:
@@ -108,7 +113,8 @@ class Stage:
         if kind is not None and issubclass(kind, UserError):
             return  # its one line says what went wrong
         verdict = "failed after" if kind is not None else "done in"
-        self.console.print(f"{self.what}: {verdict} {seconds:.1f} s", highlight=False)
+        outcome = self._outcome if kind is None else ""
+        self.console.print(f"{self.what}: {outcome}{verdict} {seconds:.1f} s", highlight=False)
 
 
 def stage(what: str, total: float | None = None, console: Console | None = None,

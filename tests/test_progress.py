@@ -24,10 +24,11 @@ def test_off_a_terminal_a_stage_is_one_line_as_it_begins_and_one_as_it_ends():
     with stage(what, total=2.4e9, console=console, unit=gigabytes) as progress:
         for _ in range(3):
             progress.advance(0.8e9)
+        progress.outcome("3 shards")
     lines = out.getvalue().splitlines()
     assert len(lines) == 2, lines
     assert lines[0] == f"{what} (2.40 GB) ..."
-    assert lines[1].startswith(f"{what}: done in ") and lines[1].endswith(" s")
+    assert lines[1].startswith(f"{what}: 3 shards, done in ") and lines[1].endswith(" s")
     assert progress.completed == pytest.approx(2.4e9)
 
 

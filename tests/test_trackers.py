@@ -114,7 +114,8 @@ def stores(tmp_path, monkeypatch):
 
 
 def send(out: Path, project: str, steps: range, resumed: bool, adapters=("main",)) -> None:
-    trackers = Trackers(["wandb", "trackio", "mlflow"], info(out, project, adapters), resumed, print)
+    # a long drain: on a busy machine MLflow's first import and store take most of a minute
+    trackers = Trackers(["wandb", "trackio", "mlflow"], info(out, project, adapters), resumed, print, drain_s=600)
     for step in steps:
         for adapter in adapters:
             trackers.step({"step": step, "adapter": adapter, "reward_mean": step / 10, "mode": "async"})

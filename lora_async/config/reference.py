@@ -240,7 +240,9 @@ def bounds_text(info: FieldInfo) -> str:
         for kind, attribute, text in BOUNDS:
             if isinstance(meta, kind):
                 value = getattr(meta, attribute)
-                unit = " items" if kind in (annotated_types.MinLen, annotated_types.MaxLen) else ""
+                unit = ""
+                if kind in (annotated_types.MinLen, annotated_types.MaxLen):  # a string's length, or a list's
+                    unit = (" character" if info.annotation is str else " item") + ("" if value == 1 else "s")
                 parts.append(f"{text} {value:g}{unit}" if isinstance(value, float) else f"{text} {value}{unit}")
         if getattr(meta, "pattern", None):
             parts.append(f"matches `{meta.pattern}`")

@@ -63,6 +63,7 @@ async def eval_event(run: Run, adapter: AdapterRun, when: str, after: asyncio.Ta
         await after  # evaluate the version this step produced, once it is servable
     with run.metrics.stage(f"eval {adapter.name}", adapter.source.heldout_size) as progress:
         result = await adapter.source.evaluate(run.generate, run.tokenizer, adapter.name, done=progress.advance)
+        progress.outcome(f"accuracy {result.accuracy:.2f} (n={result.n}, step {adapter.step})")
     row = {"kind": "eval", "when": when, "adapter": adapter.name, "step": adapter.step, "version": result.version,
            "wall_s": round(run.wall_s, 3), "accuracy": result.accuracy, "mean_reward": result.mean_reward,
            "n": result.n, **result.extra}

@@ -16,11 +16,12 @@ the checkpoint and the kill.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .backends import BACKENDS, RunInfo, check_installed
-from .thread import Marks, Tracker
+from .thread import DRAIN_S, Marks, Tracker
 
 __all__ = ["RunInfo", "Trackers", "check_installed", "figures"]
 
@@ -34,7 +35,9 @@ def figures(row: dict[str, Any]) -> dict[str, float]:
 class Trackers:
     """The run's trackers: rows go on each one's queue; nothing here waits for a tracker."""
 
-    def __init__(self, names: Sequence[str], info: RunInfo, resumed: bool, say: Callable[[str], None]) -> None:
+    def __init__(self, names: Sequence[str], info: RunInfo, resumed: bool, say: Callable[[str], None],
+                 drain_s: float = DRAIN_S) -> None:
+        self.drain_s = drain_s
         self.marks = Marks(info.out_dir / "trackers.json", resumed)
         self.before = {name: dict(self.marks.data.get(name, {}).get("sent", {})) for name in names}  # the killed attempt's
         self.fleet = len(info.adapters) > 1
@@ -61,8 +64,12 @@ class Trackers:
             tracker.put("summary", figures(summary), step)
 
     def close(self, failed: bool) -> None:
+        """Every tracker finishes what it holds, together, within one `drain_s`."""
         for tracker in self.trackers:
-            tracker.close(failed)
+            tracker.stop(failed)
+        deadline = time.monotonic() + self.drain_s
+        for tracker in self.trackers:
+            tracker.join(deadline)
 
 
 def run_info(out_dir: Path, project: str, config: dict[str, Any], adapters: list[str]) -> RunInfo:

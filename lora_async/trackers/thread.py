@@ -4,7 +4,7 @@ The training loop only puts a row on the tracker's queue (`Tracker.put`). The th
 tracker's run, sends the rows in order, and marks each row sent (`Marks`, kept in
 OUT/trackers.json), so a resumed run skips what the tracker already holds. A failure is shown
 once, at once, and then counted; it is never fatal. A tracker that cannot open its run takes
-nothing more. On close the thread sends what is left, within `DRAIN_S`.
+nothing more. On close the threads send what is left, all within one `DRAIN_S`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -107,11 +108,19 @@ class Tracker:
                          "failures are counted[/]")
             return False
 
-    def close(self, failed: bool, wait_s: float = DRAIN_S) -> None:
+    def stop(self, failed: bool) -> None:
+        """Finish the tracker's run after what is queued; the thread then ends."""
         self.put("finish", failed)
         self._queue.put(None)
-        self._thread.join(wait_s)
+
+    def join(self, deadline: float) -> None:
+        """Wait for the thread until `deadline` (`time.monotonic`); say what was left or failed."""
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
-            self.say(f"[yellow]{self.name}: {self.pending()} rows still unsent after {wait_s:.0f} s; left behind[/]")
+            self.say(f"[yellow]{self.name}: {self.pending()} rows still unsent at the end; left behind[/]")
         elif self.failures:
             self.say(f"[yellow]{self.name}: {self.failures} of {self.calls} calls failed[/]")
+
+    def close(self, failed: bool) -> None:
+        self.stop(failed)
+        self.join(time.monotonic() + DRAIN_S)
