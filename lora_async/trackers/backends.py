@@ -89,6 +89,7 @@ class TensorBoardBackend:
     def log(self, prefix: str, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
             self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        self.writer.flush()  # on disk before it counts as sent (a killed run's resume skips it)
 
     def summary(self, values: dict[str, float], step: int) -> None:
         self.log("summary", values, step)
