@@ -168,3 +168,13 @@ def test_the_trackio_internals_the_backend_writes_each_row_through_are_there(tmp
     trackers.close(failed=False)
     assert trackers.trackers[0].failures == 0 and not trackers.trackers[0].dead
     assert hasattr(trackers.trackers[0].backend.run, "_client_lock")
+
+
+def test_the_wandb_setting_that_bounds_what_a_kill_loses_is_there():
+    """WandbBackend has W&B write the run's file every half second; fails loudly when a W&B
+    release drops or renames the setting."""
+    import wandb
+
+    from lora_async.trackers.backends import WANDB_FLUSH_S
+
+    assert wandb.Settings(x_transaction_log_flush_interval=WANDB_FLUSH_S).x_transaction_log_flush_interval == 0.5

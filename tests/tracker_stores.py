@@ -33,6 +33,8 @@ def wandb_records(path: Path) -> list[Any]:
             pos += WANDB_BLOCK - pos % WANDB_BLOCK
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # a chunk still being written (a live run's file)
+            break
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (FULL, LAST):
