@@ -178,3 +178,29 @@ def test_the_wandb_setting_that_bounds_what_a_kill_loses_is_there():
     from lora_async.trackers.backends import WANDB_FLUSH_S
 
     assert wandb.Settings(x_transaction_log_flush_interval=WANDB_FLUSH_S).x_transaction_log_flush_interval == 0.5
+
+
+def test_a_resumed_run_sends_wandb_the_rows_its_file_lacks_whatever_the_marks_say(stores):
+    """A kill can take rows W&B's service had not yet written (the marks count them sent): the
+    resumed run reads W&B's file, and sends those steps again."""
+    import json
+
+    out = stores / "run-w"
+    out.mkdir()
+    trackers = Trackers(["wandb"], info(out, "w"), False, print)
+    for step in (1, 2, 3):
+        trackers.step({"step": step, "adapter": "main", "reward_mean": step / 10})
+    trackers.close(failed=False)
+    marks = json.loads((out / "trackers.json").read_text())
+    marks["wandb"]["sent"]["main"] = 5  # as if 4 and 5 were sent and lost to the kill
+    (out / "trackers.json").write_text(json.dumps(marks))
+    resumed = Trackers(["wandb"], info(out, "w"), True, print)
+    assert resumed.before["wandb"] == {"main": 3}
+    for step in (4, 5, 6):
+        resumed.step({"step": step, "adapter": "main", "reward_mean": step / 10})
+    resumed.close(failed=False)
+    held: dict[int, int] = {}
+    for run in wandb_runs(out):
+        for step in run["series"]["main/reward_mean"]:
+            held[step] = held.get(step, 0) + 1
+    assert held == {1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1}

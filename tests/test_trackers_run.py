@@ -100,17 +100,12 @@ def test_a_killed_run_resumes_into_the_same_tracker_runs_with_no_step_twice(tmp_
     marks = out / "trackers.json"
 
     def sent_past_the_checkpoint() -> bool:
-        """Step 3 is in every tracker, on disk: past the checkpoint of step 2, so it will be
-        trained again. (W&B's service writes its file every half second; what a kill loses of
-        the last half second is not what this test is about.)"""
+        """Step 3 went to every tracker: past the checkpoint of step 2, so it will be trained again."""
         try:
             sent = json.loads(marks.read_text())
         except (OSError, ValueError):
             return False
-        if not all(sent.get(t, {}).get("sent", {}).get("main", 0) >= 3 for t in TRACKERS):
-            return False
-        written = wandb_runs(out)
-        return bool(written) and 3 in written[-1]["series"].get("main/reward_mean", {})
+        return all(sent.get(t, {}).get("sent", {}).get("main", 0) >= 3 for t in TRACKERS)
 
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

@@ -1,8 +1,6 @@
 """Read what each tracker stored, through its own files or API (the tests' side of `trackers/`).
 
-- W&B offline: the run's `.wandb` file is W&B's record log (LevelDB's log format after a 7-byte
-  header: 32 KiB blocks of chunks with a 7-byte head, crc32 / length / type), each record a
-  `wandb_internal_pb2.Record`. wandb itself no longer ships a Python reader for it.
+- W&B offline: the run's `.wandb` file, W&B's record log (`trackers.wandb_file.records`).
 - Trackio: its SQLite store, through `trackio.sqlite_storage.SQLiteStorage`.
 - MLflow: its tracking store, through `MlflowClient`.
 
@@ -13,36 +11,11 @@ compare them with metrics.jsonl.
 from __future__ import annotations
 
 import json
-import struct
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-WANDB_BLOCK = 32768
-FULL, LAST = 1, 4
-
-
-def wandb_records(path: Path) -> list[Any]:
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", f"{path} is not a W&B record log"
-    records, pos, pending = [], 7, b""
-    while pos + 7 <= len(data):
-        if WANDB_BLOCK - pos % WANDB_BLOCK < 7:  # a block's tail too short for a chunk head is padding
-            pos += WANDB_BLOCK - pos % WANDB_BLOCK
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if pos + 7 + length > len(data):  # a chunk still being written (a live run's file)
-            break
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (FULL, LAST):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
+from lora_async.trackers.wandb_file import records
 
 
 def wandb_runs(out_dir: Path) -> list[dict[str, Any]]:
@@ -50,7 +23,7 @@ def wandb_runs(out_dir: Path) -> list[dict[str, Any]]:
     runs = []
     for run_dir in sorted((out_dir / "wandb").glob("offline-run-*")):
         run: dict[str, Any] = {"series": defaultdict(dict), "summary": {}, "config": {}}
-        for record in wandb_records(next(run_dir.glob("run-*.wandb"))):
+        for record in records(next(run_dir.glob("run-*.wandb"))):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 run["id"], run["tags"] = record.run.run_id, list(record.run.tags)

@@ -39,7 +39,14 @@ class Trackers:
                  drain_s: float = DRAIN_S) -> None:
         self.drain_s = drain_s
         self.marks = Marks(info.out_dir / "trackers.json", resumed)
-        self.before = {name: dict(self.marks.data.get(name, {}).get("sent", {})) for name in names}  # the killed attempt's
+        # what each tracker holds from the attempts before: W&B's from its own files (what a kill
+        # lost never reached them), the others' from the marks (each row was on disk first)
+        self.before = {name: dict(self.marks.data.get(name, {}).get("sent", {})) for name in names}
+        kept = self.marks.kept("wandb")
+        if resumed and "wandb" in names and kept:
+            from .wandb_file import held_steps
+
+            self.before["wandb"] = held_steps(info.out_dir, kept["id"])
         self.fleet = len(info.adapters) > 1
         self.trackers = [Tracker(BACKENDS[name](info), self.marks, say) for name in names if name != "none"]
 

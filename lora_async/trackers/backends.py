@@ -105,9 +105,11 @@ class WandbBackend:
     the evals each keep their own x-axis. Resumed with the id kept and `resume="allow"`.
 
     W&B's service writes the run's `.wandb` file every 15 s by default, and a process killed in
-    between loses what it had not written. Every `WANDB_FLUSH_S` here (W&B's
-    `x_transaction_log_flush_interval`, checked by `tests/test_trackers.py`): a SIGKILL loses
-    at most the rows of that last half second."""
+    between loses what it had not written. Here every `WANDB_FLUSH_S` (W&B's
+    `x_transaction_log_flush_interval`, checked by `tests/test_trackers.py`), and a resumed run
+    reads the files to see what W&B holds (`wandb_file.held_steps`): the rows a kill lost are
+    sent again with their steps, unless their step was not trained again (at or before the
+    checkpoint: only a checkpoint in the last half second before a kill)."""
 
     name = "wandb"
 
