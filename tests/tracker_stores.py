@@ -32,10 +32,11 @@ def wandb_runs(out_dir: Path) -> list[dict[str, Any]]:
                 run["config"].update({u.key: json.loads(u.value_json) for u in record.config.update})
             elif kind == "history":
                 row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                prefixes = [k.removesuffix("/step") for k in row if k.endswith("/step")]
                 for key, value in row.items():
-                    prefix = key.rsplit("/", 1)[0]
-                    if not key.startswith("_") and not key.endswith("/step") and f"{prefix}/step" in row:
-                        run["series"][key].setdefault(row[f"{prefix}/step"], []).append(value)
+                    owner = max((p for p in prefixes if key.startswith(f"{p}/")), key=len, default=None)
+                    if owner is not None and key != f"{owner}/step":
+                        run["series"][key].setdefault(row[f"{owner}/step"], []).append(value)
             elif kind == "summary":
                 run["summary"].update({u.key: json.loads(u.value_json) for u in record.summary.update})
         runs.append(run)

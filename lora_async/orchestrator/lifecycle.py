@@ -25,7 +25,7 @@ from ..config import TrainConfig, dump_config
 from ..errors import TrainingError
 from ..generator import RunGenerator
 from ..learner.protocol import LearnerAPI
-from ..metrics import MetricsWriter, summary_table, truncate_metrics, where_the_time_went
+from ..metrics import MetricsWriter, read_metrics, summary_table, truncate_metrics, where_the_time_went
 from ..placement import Placement, pin_current_thread
 from ..sync.transports import Transport
 from ..tasks import make_source
@@ -169,6 +169,8 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
     trackers = Trackers(config.run.report_to, run_info(out_dir, config.run.tracker_project,
                                                        config.model_dump(mode="json"), list(adapters)),
                         resumed=checkpoint_path is not None, say=console.print)
+    if checkpoint_path is not None:  # what a tracker lost to the kill, up to the checkpoint, from the kept lines
+        trackers.replay(read_metrics(out_dir / "metrics.jsonl"))
     run = Run(config=config, out_dir=out_dir, console=console, adapters=adapters, tokenizer=tokenizer,
               generator=generator, transport=transport, learner=learner, learner_pool=pool,
               buffer=RolloutBuffer(config.buffer.max_tokens, window, config.buffer.stale_policy),

@@ -11,7 +11,8 @@ row, `<kind>/<key>` for an event (`<kind>/<adapter>/<key>` in a fleet), with `ke
 metrics.jsonl; only numbers are sent. A resumed run reopens each tracker's run and skips the
 rows it already holds (a step at or below the last one sent under that name before the kill):
 so the tracker has no step twice, and holds the killed attempt's figures for the steps between
-the checkpoint and the kill.
+the checkpoint and the kill. What a tracker lacks up to the checkpoint (rows still queued for it
+at the kill) is sent from metrics.jsonl's kept lines (`Trackers.replay`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ class Trackers:
             last = self.before.get(tracker.name, {}).get(prefix)
             if last is None or step > last:
                 tracker.put("log", prefix, values, step)
+
+    def replay(self, rows: list[dict[str, Any]]) -> None:
+        """A resumed run's kept metrics.jsonl lines (up to the checkpoint) to each tracker that
+        lacks them: rows still queued for a tracker, or not yet written by it, when the run was
+        killed. Their steps are not trained again, so nothing else would send them."""
+        for row in rows:
+            if "kind" in row:
+                self.event(row)
+            else:
+                self.step(row)
 
     def summary(self, summary: dict[str, Any], step: int) -> None:
         for tracker in self.trackers:

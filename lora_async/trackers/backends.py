@@ -108,8 +108,7 @@ class WandbBackend:
     between loses what it had not written. Here every `WANDB_FLUSH_S` (W&B's
     `x_transaction_log_flush_interval`, checked by `tests/test_trackers.py`), and a resumed run
     reads the files to see what W&B holds (`wandb_file.held_steps`): the rows a kill lost are
-    sent again with their steps, unless their step was not trained again (at or before the
-    checkpoint: only a checkpoint in the last half second before a kill)."""
+    sent again (`Trackers.replay` up to the checkpoint, the training after it)."""
 
     name = "wandb"
 
