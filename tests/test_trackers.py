@@ -180,27 +180,41 @@ def test_the_wandb_setting_that_bounds_what_a_kill_loses_is_there():
     assert wandb.Settings(x_transaction_log_flush_interval=WANDB_FLUSH_S).x_transaction_log_flush_interval == 0.5
 
 
-def test_a_resumed_run_sends_wandb_the_rows_its_file_lacks_whatever_the_marks_say(stores):
-    """A kill can take rows W&B's service had not yet written (the marks count them sent): the
-    resumed run reads W&B's file, and sends those steps again."""
+def held_steps(tracker: str, out: Path, project: str) -> dict[int, int]:
+    """How many values of main's reward each step holds in the tracker's own store."""
+    if tracker == "trackio":
+        runs = [trackio_run(project)]
+    elif tracker == "mlflow":
+        runs = [mlflow_run(project)]
+    else:
+        runs = wandb_runs(out)
+    held: dict[int, int] = {}
+    for run in runs:
+        for step, values in run["series"]["main/reward_mean"].items():
+            held[step] = held.get(step, 0) + len(values)
+    return held
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "trackio", "mlflow"])
+@pytest.mark.parametrize("marked", [5, 2])
+def test_a_resumed_run_sends_the_rows_the_tracker_lacks_whatever_the_marks_say(stores, tracker, marked):
+    """A kill can take rows the tracker never stored while the marks count them sent (W&B's
+    service writes its file every half second), or the mark of a row it did store: the resumed
+    run reads the tracker's own store, and sends exactly the steps it lacks."""
     import json
 
-    out = stores / "run-w"
+    out, project = stores / f"run-{tracker}", f"p-{uuid.uuid4().hex[:8]}"
     out.mkdir()
-    trackers = Trackers(["wandb"], info(out, "w"), False, print)
+    trackers = Trackers([tracker], info(out, project), False, print, drain_s=600)
     for step in (1, 2, 3):
         trackers.step({"step": step, "adapter": "main", "reward_mean": step / 10})
     trackers.close(failed=False)
     marks = json.loads((out / "trackers.json").read_text())
-    marks["wandb"]["sent"]["main"] = 5  # as if 4 and 5 were sent and lost to the kill
+    marks[tracker]["sent"]["main"] = marked  # as if 4 and 5 were lost to the kill, or 3's mark was
     (out / "trackers.json").write_text(json.dumps(marks))
-    resumed = Trackers(["wandb"], info(out, "w"), True, print)
-    assert resumed.before["wandb"] == {"main": 3}
-    for step in (4, 5, 6):
+    resumed = Trackers([tracker], info(out, project), True, print, drain_s=600)
+    for step in (2, 3, 4, 5, 6):  # a checkpoint at step 1: 2 and 3 come again
         resumed.step({"step": step, "adapter": "main", "reward_mean": step / 10})
     resumed.close(failed=False)
-    held: dict[int, int] = {}
-    for run in wandb_runs(out):
-        for step in run["series"]["main/reward_mean"]:
-            held[step] = held.get(step, 0) + 1
-    assert held == {1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1}
+    assert resumed.trackers[0].held == {"main": 3}
+    assert held_steps(tracker, out, project) == {1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1}

@@ -5,7 +5,7 @@
 - MLflow: its tracking store, through `MlflowClient`.
 
 Each gives {prefixed metric name: {step: value}} plus the run's id and config, so a test can
-compare them with metrics.jsonl.
+compare them with metrics.jsonl. The `<prefix>/step` figure every row carries is left out.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def trackio_run(project: str) -> dict[str, Any]:
     series: dict[str, dict[int, list[float]]] = defaultdict(dict)
     for row in SQLiteStorage.get_logs(project, names[0]):
         for key, value in row.items():
-            if key not in ("step", "timestamp"):
+            if key not in ("step", "timestamp") and not key.endswith("/step"):
                 series[key].setdefault(row["step"], []).append(value)
     return {"id": names[0], "config": SQLiteStorage.get_run_config(project, names[0]), "series": series}
 
@@ -68,6 +68,8 @@ def mlflow_run(project: str) -> dict[str, Any]:
     run = runs[0]
     series: dict[str, dict[int, list[float]]] = defaultdict(dict)
     for key in run.data.metrics:
+        if key.endswith("/step"):  # each row's step, beside its figures (what a resume reads)
+            continue
         for metric in client.get_metric_history(run.info.run_id, key):
             series[key].setdefault(metric.step, []).append(metric.value)
     return {"id": run.info.run_id, "params": run.data.params, "tags": run.data.tags, "series": series,

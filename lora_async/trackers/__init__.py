@@ -8,11 +8,13 @@
 `Trackers` is what the metrics writer holds. Every step row, eval, mode event and the summary
 goes to each tracker under the names TensorBoard has always shown: `<adapter>/<key>` for a step
 row, `<kind>/<key>` for an event (`<kind>/<adapter>/<key>` in a fleet), with `key` the name in
-metrics.jsonl; only numbers are sent. A resumed run reopens each tracker's run and skips the
-rows it already holds (a step at or below the last one sent under that name before the kill):
-so the tracker has no step twice, and holds the killed attempt's figures for the steps between
-the checkpoint and the kill. What a tracker lacks up to the checkpoint (rows still queued for it
-at the kill) is sent from metrics.jsonl's kept lines (`Trackers.replay`).
+metrics.jsonl, and `<prefix>/step` beside them (W&B's x-axis for the prefix; what a resumed run
+reads back); only numbers are sent. A resumed run reopens each tracker's run and skips the rows
+it already holds (a step at or below the last one its store holds under that prefix): so the
+tracker has no step twice, and holds the killed attempt's figures for the steps between the
+checkpoint and the kill. What a tracker lacks up to the checkpoint (rows still queued for it at
+the kill, or written but lost with the process) is sent from metrics.jsonl's kept lines
+(`Trackers.replay`).
 """
 
 from __future__ import annotations
@@ -40,14 +42,6 @@ class Trackers:
                  drain_s: float = DRAIN_S) -> None:
         self.drain_s = drain_s
         self.marks = Marks(info.out_dir / "trackers.json", resumed)
-        # what each tracker holds from the attempts before: W&B's from its own files (what a kill
-        # lost never reached them), the others' from the marks (each row was on disk first)
-        self.before = {name: dict(self.marks.data.get(name, {}).get("sent", {})) for name in names}
-        kept = self.marks.kept("wandb")
-        if resumed and "wandb" in names and kept:
-            from .wandb_file import held_steps
-
-            self.before["wandb"] = held_steps(info.out_dir, kept["id"])
         self.fleet = len(info.adapters) > 1
         self.trackers = [Tracker(BACKENDS[name](info), self.marks, say) for name in names if name != "none"]
 
@@ -63,9 +57,7 @@ class Trackers:
             return
         step, values = int(row["step"]), figures(row)
         for tracker in self.trackers:
-            last = self.before.get(tracker.name, {}).get(prefix)
-            if last is None or step > last:
-                tracker.put("log", prefix, values, step)
+            tracker.put("log", prefix, values, step)  # its thread skips what the tracker holds
 
     def replay(self, rows: list[dict[str, Any]]) -> None:
         """A resumed run's kept metrics.jsonl lines (up to the checkpoint) to each tracker that

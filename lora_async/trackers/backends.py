@@ -1,7 +1,10 @@
 """The trackers a run reports to, each behind one small class with the same four calls.
 
 `start(kept)` opens the tracker's run, or reopens the one `kept` names (what `start` returned
-when the run began: the run's id in that tracker), and returns what to keep. `log(prefix,
+when the run began: the run's id in that tracker), and returns what to keep. `held(kept)` reads
+what the tracker's own store holds of that run: the last step of each prefix (`<prefix>/step`,
+a figure every row carries), so a resumed run sends exactly the rows it lacks; None where the
+store cannot be read from here, and the marks in OUT/trackers.json stand in. `log(prefix,
 values, step)` sends one row's figures, named `<prefix>/<key>` as in TensorBoard (`names.py`).
 `summary(values, step)` sends the run's summary figures, and `finish(failed)` closes the
 tracker's run. They are called from one background thread per tracker (`thread.py`), never
@@ -15,6 +18,7 @@ before any model loads.
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +34,7 @@ MODULES = {"tensorboard": ("tensorboard", "pip install tensorboard"),
 WANDB_FLUSH_S = 0.5  # how often W&B's service writes the run's file (its default: 15 s)
 MLFLOW_PARAM_CHARS = 6000  # MLflow refuses a longer parameter value
 MLFLOW_BATCH = 100  # parameters per `log_batch` (MLflow's limit)
+TRACKIO_REMOTE = ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL", "TRACKIO_BUCKET_ID")  # Trackio sends elsewhere
 
 
 class TrackerMissing(UserError):
@@ -59,6 +64,8 @@ class Backend(Protocol):
 
     def start(self, kept: dict[str, Any] | None) -> dict[str, Any]: ...
 
+    def held(self, kept: dict[str, Any]) -> dict[str, int] | None: ...
+
     def log(self, prefix: str, values: dict[str, float], step: int) -> None: ...
 
     def summary(self, values: dict[str, float], step: int) -> None: ...
@@ -87,6 +94,9 @@ class TensorBoardBackend:
         self.writer = SummaryWriter(str(self.info.out_dir / "tb"))
         return {}
 
+    def held(self, kept: dict[str, Any]) -> dict[str, int] | None:
+        return None  # each row is flushed before it is marked sent: the marks hold
+
     def log(self, prefix: str, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
             self.writer.add_scalar(f"{prefix}/{key}", value, step)
@@ -107,7 +117,7 @@ class WandbBackend:
     W&B's service writes the run's `.wandb` file every 15 s by default, and a process killed in
     between loses what it had not written. Here every `WANDB_FLUSH_S` (W&B's
     `x_transaction_log_flush_interval`, checked by `tests/test_trackers.py`), and a resumed run
-    reads the files to see what W&B holds (`wandb_file.held_steps`): the rows a kill lost are
+    reads the files to see what W&B holds (`held`): the rows a kill lost are
     sent again (`Trackers.replay` up to the checkpoint, the training after it)."""
 
     name = "wandb"
@@ -126,6 +136,11 @@ class WandbBackend:
                               config=info.config, tags=info.adapters, reinit="create_new",
                               settings=wandb.Settings(x_transaction_log_flush_interval=WANDB_FLUSH_S))
         return {"id": run_id}
+
+    def held(self, kept: dict[str, Any]) -> dict[str, int] | None:
+        from .wandb_file import history_rows, run_files
+
+        return last_steps([row for path in run_files(self.info.out_dir, kept["id"]) for row in history_rows(path)])
 
     def log(self, prefix: str, values: dict[str, float], step: int) -> None:
         if prefix not in self.prefixes:
@@ -166,8 +181,16 @@ class TrackioBackend:
                                 auto_log_cpu=False, auto_log_gpu=False)
         return {"name": name}
 
+    def held(self, kept: dict[str, Any]) -> dict[str, int] | None:
+        from trackio import utils
+        from trackio.sqlite_storage import SQLiteStorage
+
+        if utils.get_storage_mode() != "sqlite" or any(os.environ.get(v) for v in TRACKIO_REMOTE):
+            return None  # a Space, a server or JSONL fragments: not a store read from here
+        return last_steps(SQLiteStorage.get_logs(self.info.project, kept["name"]))
+
     def log(self, prefix: str, values: dict[str, float], step: int) -> None:
-        self.run.log({f"{prefix}/{k}": v for k, v in values.items()}, step=step)
+        self.run.log({f"{prefix}/step": step, **{f"{prefix}/{k}": v for k, v in values.items()}}, step=step)
         with self.run._client_lock:
             self.run._flush_queues_inline()
 
@@ -210,17 +233,35 @@ class MlflowBackend:
             client.log_batch(self.run_id, params=params[at:at + MLFLOW_BATCH])
         return {"run_id": self.run_id}
 
+    def held(self, kept: dict[str, Any]) -> dict[str, int] | None:
+        from mlflow.tracking import MlflowClient
+
+        # a metric's latest value is the one at its largest step: `<prefix>/step`'s is that step
+        return last_steps([MlflowClient().get_run(kept["run_id"]).data.metrics])
+
     def log(self, prefix: str, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(f"{prefix}/{k}", v, now, step) for k, v in values.items()])
+        figures = {"step": step, **values}
+        self.client.log_batch(self.run_id, metrics=[Metric(f"{prefix}/{k}", v, now, step) for k, v in figures.items()])
 
     def summary(self, values: dict[str, float], step: int) -> None:
         self.log("summary", values, step)
 
     def finish(self, failed: bool) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def last_steps(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """The largest `<prefix>/step` figure of each prefix over `rows`."""
+    held: dict[str, int] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.endswith("/step") and isinstance(value, (int, float)):
+                prefix = key.removesuffix("/step")
+                held[prefix] = max(int(value), held.get(prefix, int(value)))
+    return held
 
 
 def flat_params(config: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:

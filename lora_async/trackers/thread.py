@@ -2,7 +2,8 @@
 
 The training loop only puts a row on the tracker's queue (`Tracker.put`). The thread opens the
 tracker's run, sends the rows in order, and marks each row sent (`Marks`, kept in
-OUT/trackers.json), so a resumed run skips what the tracker already holds. A failure is shown
+OUT/trackers.json). A resumed run's thread first reads what the tracker's own store holds
+(`Backend.held`; the marks where it cannot) and skips every row it already has. A failure is shown
 once, at once, and then counted; it is never fatal. A tracker that cannot open its run takes
 nothing more. On close the threads send what is left, all within one `DRAIN_S`.
 """
@@ -69,6 +70,7 @@ class Tracker:
         self.calls = 0
         self.failures = 0
         self.dead = False  # its run never opened: nothing more is sent
+        self.held: dict[str, int] = {}  # the last step the tracker held of each prefix when the thread began
         self._queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=f"lora-async-{self.name}", daemon=True)
         self._thread.start()
@@ -80,21 +82,28 @@ class Tracker:
         return self._queue.qsize()
 
     def _work(self) -> None:
+        kept = self.marks.kept(self.name)
         try:
-            self.marks.opened(self.name, self.backend.start(self.marks.kept(self.name)))
+            self.held = self._held(kept) if kept else {}
+            self.marks.opened(self.name, self.backend.start(kept))
         except Exception as exc:
             self.dead = True
             self.say(f"[yellow]{self.name}: could not open the run ({error_line(exc)}); nothing more goes to it, "
                      "the run goes on[/]")
         while (item := self._queue.get()) is not None:
             method, args = item
-            if self.dead:
+            if self.dead or (method == "log" and args[2] <= self.held.get(args[0], -1)):
                 continue
             if method == "finish":
                 self._call(method, args)
                 continue
             if self._call(method, args) and method == "log":
                 self.marks.sent(self.name, args[0], args[2])
+
+    def _held(self, kept: dict[str, Any]) -> dict[str, int]:
+        """What the tracker holds of the kept run: its own store's answer, else the marks."""
+        held = self.backend.held(kept)
+        return dict(self.marks.data.get(self.name, {}).get("sent", {})) if held is None else held
 
     def _call(self, method: str, args: tuple[Any, ...]) -> bool:
         self.calls += 1

@@ -1,5 +1,5 @@
-"""What a W&B run's `.wandb` files hold: read back at `--resume`, so the resumed run sends W&B
-exactly the rows it does not have.
+"""What a W&B run's `.wandb` files hold: read back at `--resume` (`WandbBackend.held`), so the
+resumed run sends W&B exactly the rows it does not have.
 
 W&B's service writes a run's records to `OUT/wandb/<run dir>/run-<id>.wandb` every half second
 (`backends.WANDB_FLUSH_S`), so a killed run may have sent rows that never reached the file; the
@@ -25,6 +25,7 @@ def records(path: Path) -> Iterator[Any]:
     """The file's records, in order (a chunk still being written ends the read)."""
     from wandb.proto import wandb_internal_pb2
 
+    new_record: Any = getattr(wandb_internal_pb2, "Record")  # generated protobuf: no type stubs
     data = path.read_bytes()
     if data[:4] != b":W&B":
         raise ValueError(f"{path} is not a W&B record log")
@@ -39,7 +40,7 @@ def records(path: Path) -> Iterator[Any]:
         pending += data[pos + HEAD:pos + HEAD + length]
         pos += HEAD + length
         if kind in (FULL, LAST):
-            record = wandb_internal_pb2.Record()
+            record = new_record()
             record.ParseFromString(pending)
             yield record
             pending = b""
@@ -56,14 +57,3 @@ def run_files(out_dir: Path, run_id: str) -> list[Path]:
     """Every attempt's file of run `run_id` under OUT/wandb (offline or online), oldest first."""
     return sorted((out_dir / "wandb").glob(f"*run-*-{run_id}/run-{run_id}.wandb"))
 
-
-def held_steps(out_dir: Path, run_id: str) -> dict[str, int]:
-    """The last step each prefix's rows reached in the run's files (`<prefix>/step`)."""
-    held: dict[str, int] = {}
-    for path in run_files(out_dir, run_id):
-        for row in history_rows(path):
-            for key, value in row.items():
-                if key.endswith("/step") and isinstance(value, int):
-                    prefix = key.removesuffix("/step")
-                    held[prefix] = max(value, held.get(prefix, value))
-    return held
