@@ -1,4 +1,4 @@
-"""What a stalled experiment tracker costs a training step (bench/RESULTS.md section 18).
+"""What a stalled experiment tracker costs a training step (bench/RESULTS.md section 23).
 
     python bench/tracker_stall.py [--pairs 3] [--steps 10] [--stall 5] [--out runs/tracker-stall]
 
