@@ -2,8 +2,8 @@
 
     python bench/tracker_stall.py [--pairs 3] [--steps 10] [--stall 5] [--out runs/tracker-stall]
 
-The same short run (a tiny random Llama built in seconds, a smooth reward, in this process
-through the Python API) in pairs: one arm reports to no tracker (`run.report_to = ["none"]`),
+The same short run (a tiny random Llama built in seconds, a smooth reward, async pinned at
+staleness 2, in this process through the Python API) in pairs: one arm reports to no tracker (`run.report_to = ["none"]`),
 the other to TensorBoard with every call of its tracker made to sleep `--stall` seconds first
 (a tracker that has stopped answering). The arms alternate within each pair, so the machine's
 drift falls on both. Per run: the median `step_s` of its steps after the first two (engine and
@@ -43,8 +43,11 @@ name = "{model}"
 kv_cache_gb = 0.25
 max_model_len = 256
 [sampling]
-max_new_tokens = 16
+max_new_tokens = 32
 samples_per_prompt = 4
+[buffer]
+mode = "async"
+max_staleness = 2
 [learner]
 groups_per_step = 2
 lr = 2e-3
@@ -73,6 +76,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/tracker-stall"))
     args = parser.parse_args()
 
+    import os
     import sys
 
     from lora_async import train
@@ -90,7 +94,9 @@ def main() -> None:
 
     backends.BACKENDS["tensorboard"] = StalledBoard
     work = Path(tempfile.mkdtemp(prefix="tracker-stall-"))
-    sys.path.insert(0, str(work))  # the reward module
+    # the reward module, for this process and the reward's worker processes
+    sys.path.insert(0, str(work))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work), os.environ.get("PYTHONPATH")]))
     model = build_tiny_model(work / "tiny", embedded_tokenizer())
     runs: dict[str, list[dict[str, Any]]] = {"none": [], "stalled": []}
     for pair in range(args.pairs):
