@@ -114,7 +114,11 @@ def read_run(run_dir: Path, label: str) -> list[Column]:
             column.wall_s = max(float(r.get("wall_s") or 0) for r in steps)
             column.tokens_generated = max(int(r.get("tokens_generated_total") or 0) for r in steps)
             column.tokens_trained = sum(int(r.get("tokens_trained") or 0) for r in steps)
-        column.curve = [(int(r.get("step") or 0), float(r.get("wall_s") or 0), float(r["accuracy"])) for r in evals]
+        # an accuracy is timed when its weights were trained (the step's row), not when it was
+        # scored: a run's end eval comes after its training clock stops
+        trained_at = {int(r["step"]): float(r.get("wall_s") or 0) for r in steps}
+        column.curve = [(step, trained_at.get(step, float(r.get("wall_s") or 0)), float(r["accuracy"]))
+                        for r in evals for step in [int(r.get("step") or 0)]]
         columns.append(column)
     return columns
 
