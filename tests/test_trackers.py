@@ -157,6 +157,19 @@ def test_each_tracker_holds_the_rows_config_and_tags_and_a_resume_adds_no_step_t
     assert flow["status"] == "FINISHED"
 
 
+def test_mlflow_takes_every_metrics_name_with_the_characters_it_refuses_as_underscores(stores):
+    """A step row at lag 3 or more has `lag3+/tokens`: MLflow refuses `+`, and would refuse the
+    whole row (found by the kill-and-resume run, where auto chose k4)."""
+    out, project = stores / "run-m", f"p-{uuid.uuid4().hex[:8]}"
+    out.mkdir()
+    trackers = Trackers(["mlflow"], info(out, project), False, print, drain_s=600)
+    trackers.step({"step": 1, "adapter": "main", "reward_mean": 0.5, "lag3+/tokens": 12})
+    trackers.close(failed=False)
+    assert trackers.trackers[0].failures == 0
+    series = mlflow_run(project)["series"]
+    assert series["main/reward_mean"] == {1: [0.5]} and series["main/lag3_/tokens"] == {1: [12]}
+
+
 def test_the_trackio_internals_the_backend_writes_each_row_through_are_there(tmp_path):
     """TrackioBackend writes each row before it counts it sent, as trackio's own thread does;
     this fails loudly when a trackio release moves what it calls."""

@@ -117,6 +117,9 @@ def test_a_killed_run_resumes_into_the_same_tracker_runs_with_no_step_twice(tmp_
     done = subprocess.run(cmd + ["--resume"], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=WHOLE_RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines()
+            if any(line.startswith(f"{t}:") for t in TRACKERS)]  # a tracker's failure, or rows it left
+    assert not said, said
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
     assert [r["step"] for r in steps] == list(range(1, 7))
     after = json.loads(marks.read_text())
@@ -130,7 +133,8 @@ def test_a_killed_run_resumes_into_the_same_tracker_runs_with_no_step_twice(tmp_
     assert len(wandb) == 2 and wandb[0]["id"] == wandb[1]["id"]
     every_step_once = {step: 1 for step in range(1, 7)}
     assert held(merged([run["series"] for run in wandb])) == every_step_once
-    assert held(trackio_run(project)["series"]) == every_step_once
+    assert held(trackio_run(project)["series"]) == every_step_once, (before, after, [
+        line for line in done.stderr.splitlines() if "trackio" in line.lower()])
     flow = mlflow_run(project)
     assert held(flow["series"]) == every_step_once and flow["status"] == "FINISHED"
     # the steps the resumed attempt sent are its own figures (those before, the killed attempt's)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ MODULES = {"tensorboard": ("tensorboard", "pip install tensorboard"),
 WANDB_FLUSH_S = 0.5  # how often W&B's service writes the run's file (its default: 15 s)
 MLFLOW_PARAM_CHARS = 6000  # MLflow refuses a longer parameter value
 MLFLOW_BATCH = 100  # parameters per `log_batch` (MLflow's limit)
+MLFLOW_REFUSED = re.compile(r"[^\w\-. :/]")  # what MLflow refuses in a metric's name
 TRACKIO_REMOTE = ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL", "TRACKIO_BUCKET_ID")  # Trackio sends elsewhere
 
 
@@ -164,7 +166,12 @@ class TrackioBackend:
     would lose those rows while OUT/trackers.json already counts them sent, and the resumed run
     would skip them. So each row is written before `log` returns, as that thread writes it
     (`Run._flush_queues_inline` under `Run._client_lock`: trackio internals, checked by
-    `tests/test_trackers.py`)."""
+    `tests/test_trackers.py`).
+
+    Trackio's `log` looks each value up against `sys.modules["matplotlib.figure"].Figure` (and
+    `matplotlib.animation`), and drops the whole row, with only a warning, when it finds the
+    module half imported: as it is while the run's main thread first imports matplotlib (the
+    chart). So `start` imports both first, through the import system's locks."""
 
     name = "trackio"
 
@@ -173,6 +180,8 @@ class TrackioBackend:
         self.run: Any = None
 
     def start(self, kept: dict[str, Any] | None) -> dict[str, Any]:
+        import matplotlib.animation  # noqa: F401
+        import matplotlib.figure  # noqa: F401
         import trackio
 
         name = kept["name"] if kept else f"{self.info.name}-{new_id()}"  # trackio names a run by its name
@@ -205,7 +214,8 @@ class MlflowBackend:
     """An MLflow run in the tracking store MLflow's own settings name (`MLFLOW_TRACKING_URI`,
     else its default, `sqlite:///mlflow.db`), under the experiment `run.tracker_project`. The
     config goes in as parameters (dotted names), the fleet's names as tags; a resumed run keeps
-    the parameters it began with (MLflow refuses to change one)."""
+    the parameters it began with (MLflow refuses to change one). A metric name with a character
+    MLflow refuses has it as `_` (`mlflow_name`)."""
 
     name = "mlflow"
 
@@ -244,13 +254,20 @@ class MlflowBackend:
 
         now = int(time.time() * 1000)
         figures = {"step": step, **values}
-        self.client.log_batch(self.run_id, metrics=[Metric(f"{prefix}/{k}", v, now, step) for k, v in figures.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_name(f"{prefix}/{k}"), v, now, step)
+                                                    for k, v in figures.items()])
 
     def summary(self, values: dict[str, float], step: int) -> None:
         self.log("summary", values, step)
 
     def finish(self, failed: bool) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def mlflow_name(name: str) -> str:
+    """A metric name as MLflow takes it: each character it refuses (it takes letters, digits and
+    `_-. :/`) becomes `_`, so `main/lag3+/tokens` is `main/lag3_/tokens`."""
+    return MLFLOW_REFUSED.sub("_", name)
 
 
 def last_steps(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
