@@ -8,6 +8,7 @@ training runs that report to all three are in test_train.py."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from lora_async.trackers import Trackers, check_installed, figures
 from lora_async.trackers.backends import RunInfo, TensorBoardBackend, TrackerMissing
 from lora_async.trackers.thread import Marks, Tracker
 
+from .helpers import wait_for
 from .tracker_stores import mlflow_run, trackio_run, wandb_runs
 
 
@@ -225,9 +227,15 @@ def test_a_resumed_run_sends_the_rows_the_tracker_lacks_whatever_the_marks_say(s
     marks = json.loads((out / "trackers.json").read_text())
     marks[tracker]["sent"]["main"] = marked  # as if 4 and 5 were lost to the kill, or 3's mark was
     (out / "trackers.json").write_text(json.dumps(marks))
+    # W&B names an attempt's directory by the second it began (`offline-run-<time>-<id>`): a
+    # resume within the same second would share the first attempt's (a real one takes seconds)
+    began = int(time.time())
+    wait_for(lambda: int(time.time()) > began, 5, "the next second")
     resumed = Trackers([tracker], info(out, project), True, print, drain_s=600)
     for step in (2, 3, 4, 5, 6):  # a checkpoint at step 1: 2 and 3 come again
         resumed.step({"step": step, "adapter": "main", "reward_mean": step / 10})
     resumed.close(failed=False)
     assert resumed.trackers[0].held == {"main": 3}
+    # W&B's service may still be writing the file when `finish` returns
+    wait_for(lambda: 6 in held_steps(tracker, out, project), 30, f"{tracker} to hold step 6")
     assert held_steps(tracker, out, project) == {1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1}
