@@ -7,6 +7,7 @@ training runs that report to all three are in test_train.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -193,6 +194,23 @@ def test_the_wandb_setting_that_bounds_what_a_kill_loses_is_there():
     from lora_async.trackers.backends import WANDB_FLUSH_S
 
     assert wandb.Settings(x_transaction_log_flush_interval=WANDB_FLUSH_S).x_transaction_log_flush_interval == 0.5
+
+
+def test_a_run_starts_its_own_wandb_service_not_one_a_parent_process_started(monkeypatch):
+    """W&B's service token names the process that started the service; one a parent started is
+    left (a killed run would leave its W&B run open in it), one this process started is kept.
+    Fails loudly when W&B renames the variable or changes the token's form."""
+    import wandb
+    from wandb.sdk.lib.service.service_token import UnixServiceToken
+
+    from lora_async.trackers.backends import WANDB_SERVICE, leave_inherited_wandb_service
+
+    assert wandb.env.SERVICE == WANDB_SERVICE
+    for pid, kept in ((os.getppid(), False), (os.getpid(), True)):
+        token = UnixServiceToken(parent_pid=pid, path="/tmp/wandb-service.sock").env_value
+        monkeypatch.setenv(WANDB_SERVICE, token)
+        leave_inherited_wandb_service()
+        assert (os.environ.get(WANDB_SERVICE) == token) is kept
 
 
 def held_steps(tracker: str, out: Path, project: str) -> dict[int, int]:

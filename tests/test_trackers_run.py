@@ -91,6 +91,14 @@ def test_a_run_sends_every_step_figure_and_its_config_to_each_tracker(tmp_path, 
 
 
 def test_a_killed_run_resumes_into_the_same_tracker_runs_with_no_step_twice(tmp_path, monkeypatch, tiny_model):
+    """Launched from a process with a W&B service of its own (as a notebook, or this test runner
+    after the W&B tests, is): both attempts inherit its token, and the killed one's W&B run stays
+    open in that service unless each run starts its own (`leave_inherited_wandb_service`)."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    wandb.init(project="parent", dir=str(tmp_path), reinit="create_new").finish()
+    assert os.environ.get("WANDB_SERVICE")
     env = tracker_env(tmp_path, monkeypatch)
     project = f"resume-{uuid.uuid4().hex[:8]}"
     config = make_config(tmp_path, tiny_model, "killed", run={"max_steps": 6, "checkpoint_every": 2, "canary_every": 0,

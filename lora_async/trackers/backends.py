@@ -32,6 +32,7 @@ MODULES = {"tensorboard": ("tensorboard", "pip install tensorboard"),
            "wandb": ("wandb", "pip install 'lora-async[wandb]'"),
            "trackio": ("trackio", "pip install 'lora-async[trackio]'"),
            "mlflow": ("mlflow", "pip install 'lora-async[mlflow]'")}
+WANDB_SERVICE = "WANDB_SERVICE"  # where W&B names its running service process (wandb.env.SERVICE)
 WANDB_FLUSH_S = 0.5  # how often W&B's service writes the run's file (its default: 15 s)
 MLFLOW_PARAM_CHARS = 6000  # MLflow refuses a longer parameter value
 MLFLOW_BATCH = 100  # parameters per `log_batch` (MLflow's limit)
@@ -132,6 +133,7 @@ class WandbBackend:
     def start(self, kept: dict[str, Any] | None) -> dict[str, Any]:
         import wandb
 
+        leave_inherited_wandb_service()
         run_id = kept["id"] if kept else new_id()
         info = self.info
         self.run = wandb.init(project=info.project, id=run_id, resume="allow", name=info.name, dir=str(info.out_dir),
@@ -156,6 +158,19 @@ class WandbBackend:
 
     def finish(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+
+
+def leave_inherited_wandb_service() -> None:
+    """Start this process's own W&B service rather than a parent's. W&B names its service in
+    `WANDB_SERVICE` (`<format>-<pid of the process that started it>-...`), and a child process
+    inherits it: a `lora-async train` started by a process that used W&B (a notebook, a test
+    runner) would share that process's service. A run killed there leaves its W&B run open in the
+    shared service, and the resumed run cannot reopen its id ("run ID ... is in use"). A service
+    this process started itself (an earlier run in the same notebook) is kept."""
+    token = os.environ.get(WANDB_SERVICE, "")
+    fields = token.split("-")
+    if token and (len(fields) < 2 or fields[1] != str(os.getpid())):
+        del os.environ[WANDB_SERVICE]
 
 
 class TrackioBackend:
