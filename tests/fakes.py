@@ -65,6 +65,8 @@ class FakeGenerator:
         self.reply = reply
         self.served: list[tuple[list[int], int | None, list[int], str]] = []
         self.live: dict[str, list[int]] = {}
+        self.kept: set[tuple[str, int]] = set()  # frozen opponents kept registered (`keep`)
+        self.requests: list[GenRequest] = []  # every request submitted, in order
         self.aborted: list[tuple[str, int]] = []  # (adapter, version) of each aborted request
         self.dead = False
         self._pending: dict[int, _Pending] = {}
@@ -81,9 +83,12 @@ class FakeGenerator:
             on_done(GenResult.failed(request, GenStatus.ENGINE_DEAD, "engine died"))
             return
         with self._lock:
+            self.requests.append(request)
             self._ids += 1
             rid = self._ids
-            version = self.live[request.adapter][-1] if request.adapter else None
+            version = None
+            if request.adapter is not None:  # a pinned version (a frozen opponent), else the newest
+                version = request.version if request.version is not None else self.live[request.adapter][-1]
             self._pending[rid] = _Pending(request, version, on_done)
         timer = threading.Timer(self.delay(), self._finish, (rid,))
         timer.daemon = True
@@ -142,6 +147,14 @@ class FakeGenerator:
 
     def live_versions(self, adapter: str) -> list[int]:
         return list(self.live.get(adapter, []))
+
+    def keep(self, adapter: str, version: int) -> None:
+        if version not in self.live.get(adapter, []):
+            raise KeyError(f"{served_name(adapter, version)} is not live")
+        self.kept.add((adapter, version))
+
+    def let_go(self, adapter: str, version: int) -> None:
+        self.kept.discard((adapter, version))
 
     def kill(self) -> None:
         """The engine dies: what runs ends with ENGINE_DEAD, nothing more registers."""

@@ -70,6 +70,12 @@ class ArmGenerator:
     def live_versions(self, adapter: str) -> list[int]:
         return self.engine.live_versions(adapter)
 
+    def keep(self, adapter: str, version: int) -> None:
+        self.engine.keep(adapter, version)
+
+    def let_go(self, adapter: str, version: int) -> None:
+        self.engine.let_go(adapter, version)
+
     def close(self) -> None:
         self.engine.retire_adapter(self.adapter)
 

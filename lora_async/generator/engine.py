@@ -121,6 +121,17 @@ class VllmGenerator:
     def live_versions(self, adapter: str) -> list[int]:
         return self._call(lambda: self.registry.versions(adapter))
 
+    def keep(self, adapter: str, version: int) -> None:
+        self._call(lambda: self.registry.keep(adapter, version))
+
+    def let_go(self, adapter: str, version: int) -> None:
+        def let_go() -> None:
+            live = self.registry.let_go(adapter, version)
+            if live is not None:
+                self._retire(live)
+
+        self._call(let_go)
+
     def close(self) -> None:
         if self._thread.is_alive():
             self._commands.put(None)

@@ -9,7 +9,8 @@ Pure bookkeeping (no vLLM import), so the rules are unit-tested on their own:
 - new requests always take the newest version; each request is counted in flight on the
   version it started with until it finishes;
 - a version is retired once nothing in flight uses it and it is outside the staleness window
-  (`StalenessWindow.retirable`).
+  (`StalenessWindow.retirable`), unless it is kept: a frozen opponent (a league's past version,
+  a pinned `main@v0`) stays registered, outside the window's retirement, until it is let go.
 
 `register_version` is how every generator registers a delivered version (the engine, remote
 servers, the Ray router): each passes only what differs (a lock, making room, a queue wait).
@@ -53,6 +54,7 @@ class VersionRegistry:
         self._next_id = 1
         self._live: dict[str, dict[int, LiveVersion]] = {}
         self._newest: dict[str, int] = {}
+        self._kept: set[tuple[str, int]] = set()  # frozen opponents: never retired while kept
         self.published = 0
         self.retired = 0
 
@@ -105,8 +107,29 @@ class VersionRegistry:
         live.in_flight -= 1
         return live.in_flight == 0 and self.outside_window(live)
 
+    # ---- keeping (frozen opponents)
+    def keep(self, adapter: str, version: int) -> None:
+        """Keep a live version registered whatever the window says, until `let_go`."""
+        if version not in self._live.get(adapter, {}):
+            raise RegistryError(f"{served_name(adapter, version)} is not live here, so it cannot be kept "
+                                f"(live: {self.versions(adapter)})")
+        self._kept.add((adapter, version))
+
+    def let_go(self, adapter: str, version: int) -> LiveVersion | None:
+        """Stop keeping a version; returns it when it should be retired now (drained and outside
+        the window)."""
+        self._kept.discard((adapter, version))
+        live = self._live.get(adapter, {}).get(version)
+        return live if live is not None and live.in_flight == 0 and self.outside_window(live) else None
+
+    def kept(self) -> list[tuple[str, int]]:
+        return sorted(self._kept)
+
     # ---- retiring
     def outside_window(self, live: LiveVersion) -> bool:
+        """Nothing will train on it any more and it is not kept: it may go once drained."""
+        if (live.adapter, live.version) in self._kept:
+            return False
         return self.window.retirable(live.version, self._newest[live.adapter])
 
     def retirable(self) -> list[LiveVersion]:

@@ -34,6 +34,7 @@ class EngineSpec:
     block_size: int | None = None  # KV-cache block (tokens); None = vLLM's default for the device
     max_batched_tokens: int | None = None  # tokens per engine step; None = vLLM's default
     quantization: str = "none"  # "bitsandbytes": vLLM quantises the base as it loads it
+    kept: int = 0  # frozen versions kept registered beyond the window (a game's league, pinned opponents)
 
     @classmethod
     def from_config(cls, config: "TrainConfig", model_dir: Path, device: str, *,
@@ -58,14 +59,16 @@ class EngineSpec:
             engine_log=config.run.engine_log,
             separate_process=gen.engine_home == "separate" if separate_process is None else separate_process,
             block_size=gen.block_size, max_batched_tokens=gen.max_batched_tokens, quantization=gen.quantization,
+            kept=config.kept_versions,
         )
 
     @property
     def max_loras(self) -> int:
-        """Adapters in one batch (`StalenessWindow.engine_slots`)."""
-        return self.window.engine_slots(len(self.adapters))[0]
+        """Adapters in one batch (`StalenessWindow.engine_slots`), and every kept frozen version:
+        a league's games put all of them in one batch."""
+        return self.window.engine_slots(len(self.adapters))[0] + self.kept
 
     @property
     def max_cpu_loras(self) -> int:
-        """Registered versions (`StalenessWindow.engine_slots`)."""
-        return self.window.engine_slots(len(self.adapters))[1]
+        """Registered versions (`StalenessWindow.engine_slots`), and every kept frozen version."""
+        return self.window.engine_slots(len(self.adapters))[1] + self.kept

@@ -35,6 +35,11 @@ class GeneratorDead(RunError):
     """The generator cannot generate or register anything any more (engine died, or closed)."""
 
 
+class CannotKeep(RunError):
+    """This generator cannot keep frozen versions (`Generator.keep`): the config check refuses a
+    run that would need it first (`config.games`)."""
+
+
 @dataclass(frozen=True)
 class GenRequest:
     """One prompt, `n` samples, on one adapter (None = the base model)."""
@@ -205,6 +210,14 @@ class Generator(Protocol[R_co]):
 
     def live_versions(self, adapter: str) -> list[int]:
         """Versions of `adapter` registered right now."""
+
+    def keep(self, adapter: str, version: int) -> None:
+        """Keep a live version registered, outside the staleness window's retirement, until
+        `let_go`: a frozen opponent (a league's past version, a pinned `main@v0`). Requests name it
+        with `GenRequest.version`. A generator that cannot keep versions raises CannotKeep."""
+
+    def let_go(self, adapter: str, version: int) -> None:
+        """Stop keeping a version; it is retired once drained if the window has left it."""
 
     def close(self) -> None: ...
 

@@ -38,11 +38,12 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, TypeVar
 
-from ...adapter_version import AdapterVersion
+from ...adapter_version import AdapterVersion, served_name
 from ...handoff import PackMeta
 from ..registry import LiveVersion, VersionRegistry, register_version
 from ..spec import EngineSpec
-from ..types import Delivery, GenRequest, GenResult, GeneratorDead, GenStatus, PublishStats, hand_back
+from ..types import (CannotKeep, Delivery, GenRequest, GenResult, GeneratorDead, GenStatus, PublishStats,
+                     hand_back)
 from ..validate import BaseShapes, VersionCheck
 from . import cluster as ray_cluster
 from .health import PING_TIMEOUT_S, RayStats, ReplicaGone, ReplicaState, answer
@@ -159,6 +160,12 @@ class RayGenerator(ReplicaVersions):
     def live_versions(self, adapter: str) -> list[int]:
         with self._lock:
             return self.registry.versions(adapter)
+
+    def keep(self, adapter: str, version: int) -> None:
+        raise CannotKeep(f"Ray replicas cannot keep frozen versions yet (needed for {served_name(adapter, version)})")
+
+    def let_go(self, adapter: str, version: int) -> None:
+        """Nothing is kept here."""
 
     def close(self) -> None:
         """Stop routing, stop every replica's engine, remove the actors and the placement group

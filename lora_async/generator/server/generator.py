@@ -20,11 +20,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from ...adapter_version import AdapterVersion
+from ...adapter_version import AdapterVersion, served_name
 from ...staleness import StalenessWindow
 from ...tokenizer import Tokenizer
 from ..registry import LiveVersion, VersionRegistry, register_version
-from ..types import Delivery, GenRequest, GenResult, GeneratorStats, GenStatus, PublishStats, Sample, hand_back
+from ..types import (CannotKeep, Delivery, GenRequest, GenResult, GeneratorStats, GenStatus, PublishStats, Sample,
+                     hand_back)
 from ..validate import BaseShapes, VersionCheck
 from .client import ServerClient, ServerError
 
@@ -138,6 +139,12 @@ class ServerGenerator:
     def live_versions(self, adapter: str) -> list[int]:
         with self._lock:
             return self.registry.versions(adapter)
+
+    def keep(self, adapter: str, version: int) -> None:
+        raise CannotKeep(f"remote servers cannot keep frozen versions yet (needed for {served_name(adapter, version)})")
+
+    def let_go(self, adapter: str, version: int) -> None:
+        """Nothing is kept here."""
 
     def close(self) -> None:
         """Wait for requests in flight, then unload every version this run loaded."""
