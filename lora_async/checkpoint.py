@@ -1,6 +1,7 @@
 """Atomic checkpoints: adapters, optimizers, RNG, version counters, task position.
 
     OUT/checkpoints/step-000012/{state.json, <adapter>.safetensors, <adapter>.optim.pt}
+    OUT/checkpoints/step-000012/frozen/<adapter>@v<k>.safetensors   (a game's kept opponents)
     OUT/checkpoints/LATEST      (name of the newest complete checkpoint)
 
 A checkpoint is written into a temporary directory, renamed into place, and only then named
@@ -11,17 +12,19 @@ intact. Resume continues version numbering and the task stream where they stoppe
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from .files import replaced_dir, write_text_atomic
 
 if TYPE_CHECKING:
+    from .adapter_version import AdapterVersion
     from .learner.protocol import LearnerAPI
 
 KEEP = 2  # checkpoints kept on disk (the newest and one before it)
@@ -35,14 +38,24 @@ class RunState:
     wall_s: float
     counters: dict[str, dict[str, int]]  # per adapter (`Counters.as_dict`)
     auto: dict[str, Any] | None = None  # an auto run's measurements and decisions (`orchestrator.auto_state`)
+    leagues: dict[str, dict[str, Any]] | None = None  # per adapter with one: its league (`League.state_dict`)
 
 
-def save_checkpoint(out_dir: Path, state: RunState, learner: "LearnerAPI") -> Path:
+FROZEN = "frozen"  # a checkpoint's folder of kept versions (a game's frozen opponents), one file each
+
+
+def save_checkpoint(out_dir: Path, state: RunState, learner: "LearnerAPI",
+                    frozen: "Sequence[AdapterVersion]" = ()) -> Path:
+    """`frozen`: the kept versions a resumed run publishes again (a game's opponents from the
+    past); a file the previous checkpoint holds already is linked, not written again."""
     from safetensors.torch import save_file
 
     root = out_dir / "checkpoints"
     name = f"step-{state.step:06d}"
+    previous = latest_checkpoint(out_dir)
     with replaced_dir(root / name) as tmp:
+        if frozen:
+            save_frozen(tmp / FROZEN, frozen, previous / FROZEN if previous is not None else None)
         versions = {}
         for adapter in learner.adapters:
             save_file(learner.adapter_tensors(adapter), str(tmp / f"{adapter}.safetensors"))
@@ -56,6 +69,7 @@ def save_checkpoint(out_dir: Path, state: RunState, learner: "LearnerAPI") -> Pa
             "wall_s": state.wall_s,
             "counters": state.counters,
             "auto": state.auto,
+            "leagues": state.leagues,
             "rng": {
                 "python": _py_rng_to_json(random.getstate()),
                 "torch": torch.get_rng_state().tolist(),
@@ -87,7 +101,38 @@ def load_checkpoint(path: Path, learner: "LearnerAPI") -> RunState:
     random.setstate(_py_rng_from_json(payload["rng"]["python"]))
     torch.set_rng_state(torch.tensor(payload["rng"]["torch"], dtype=torch.uint8))
     return RunState(payload["step"], payload["steps"], payload["next_problem"], payload["wall_s"],
-                    payload["counters"], payload.get("auto"))
+                    payload["counters"], payload.get("auto"), payload.get("leagues"))
+
+
+def save_frozen(folder: Path, versions: "Sequence[AdapterVersion]", previous: Path | None) -> None:
+    """Each kept version as `<adapter>@v<k>.safetensors`, its peft config in the file's metadata."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    for version in versions:
+        path = folder / f"{version.served_name}.safetensors"
+        old = previous / path.name if previous is not None else None
+        if old is not None and old.is_file():
+            os.link(old, path)  # the same version's bytes: the checkpoint stays whole on its own
+            continue
+        save_file({k: t.contiguous() for k, t in version.tensors.items()}, str(path),
+                  metadata={"peft_config": json.dumps(version.peft_config)})
+
+
+def load_frozen(path: Path) -> list["AdapterVersion"]:
+    """The kept versions a checkpoint holds (none for a run without a game's frozen opponents)."""
+    from safetensors import safe_open
+
+    from .adapter_version import AdapterVersion, parse_served_name
+
+    versions = []
+    for file in sorted((path / FROZEN).glob("*.safetensors")):
+        adapter, number = parse_served_name(file.name.removesuffix(".safetensors"))
+        with safe_open(str(file), "pt") as handle:
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+            peft_config = json.loads((handle.metadata() or {}).get("peft_config", "{}"))
+        versions.append(AdapterVersion(adapter, number, tensors, peft_config))
+    return versions
 
 
 def checkpoint_auto(path: Path) -> dict[str, Any] | None:

@@ -19,6 +19,7 @@ from .buffer import Group
 from .generator.types import GenRequest, GenResult, GenStatus
 from .outcomes import EpisodeStats
 from .timing import NO_WAITS, Waits
+from .league import League
 from .tokenizer import Tokenizer
 
 Generate = Callable[[GenRequest], Awaitable[GenResult]]
@@ -154,5 +155,14 @@ class RolloutSource(Protocol):
 
     async def probe_prompt(self, tokenizer: Tokenizer) -> list[int] | None:
         """The canary's prompt (None: none to give)."""
+
+    @property
+    def league(self) -> League | None:
+        """A game against the adapter's past versions: its league, whose versions the run keeps
+        registered, checkpoints and restores (`orchestrator.league`); None for every other task."""
+
+    def pinned(self) -> list[tuple[str, int]]:
+        """Frozen versions (adapter, version) the task's games name (`self@v0`): the run keeps
+        each registered from when it is published. Empty for every task but a game."""
 
     def close(self) -> None: ...

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, ConfigDict, Field, field_serializer, field_validator, model_validator
 from pydantic_core.core_schema import SerializationInfo
 
+from .games import OPPONENTS_TEXT, LeagueConfig, check_opponent
 from .sections import AdapterConfig, LoraConfig, SamplingConfig, Section
 
 
@@ -221,6 +222,28 @@ class EnvTask(RewardFields):
     tool_latency: ToolLatency | None = Field(
         None, description="SIMULATION for benchmarks: add a lognormal delay to every tool call, as a remote sandbox "
                           "or web API would ({median_s, sigma}); off by default.")
+    seat: str = Field("alternate", pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                      description="A game's seat this adapter plays: a seat's name, or 'alternate' (game i plays "
+                                  "seat i mod the seats; a group's games share one).")
+    opponents: Annotated[str, AfterValidator(check_opponent)] = Field(
+        "self", description=f"Who plays a game's other seats: {OPPONENTS_TEXT}.")
+    eval_opponents: list[Annotated[str, AfterValidator(check_opponent)]] | None = Field(
+        None, min_length=1, max_length=16,
+        description="A game's held-out opponents: win, draw and loss rates against each; accuracy is the win rate "
+                    "against the first (None: 'self@v0', then every scripted player of the game).")
+    league: LeagueConfig = Field(default_factory=LeagueConfig,
+                                 description="opponents = 'league': the pool of this adapter's past versions.")
+
+    @property
+    def kept_versions(self) -> int:
+        """Frozen versions a game keeps registered in the engine at most (LoRA slots beyond the
+        staleness window): the league's pool and its anchor, and each pinned `<adapter>@v<k>` (the
+        default held-out opponent `self@v0` counts one). A single-seat environment counts the
+        same one: which task is a game is known only once its factory runs."""
+        league = self.league.size + 1 if self.opponents == "league" else 0
+        named = [self.opponents, *(self.eval_opponents or ["self@v0"])]
+        pinned = {o for o in named if "@v" in o} - ({"self@v0"} if league else set())
+        return league + len(pinned)
 
 
 TaskConfig = Annotated[Union[ArithmeticTask, JsonlTask, DatasetTask, ReasoningGymTask, EnvTask],

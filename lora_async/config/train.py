@@ -18,6 +18,7 @@ from .losses import DEFAULT_LOSS, LossConfig, default_loss
 from .sections import (
     AdapterConfig, BufferConfig, LearnerConfig, LoraConfig, ModelConfig, RunConfig, SamplingConfig, Section,
 )
+from .games import OPPONENTS_TEXT, RESERVED
 from .tasks import ArithmeticTask, EnvTask, FleetAdapter, ProblemTask, TaskConfig, default_types
 
 # vLLM accepts only these `max_lora_rank` values.
@@ -87,6 +88,7 @@ class TrainConfig(Section):
         self._check_lengths()
         if self.adapters is not None:
             self._check_fleet(self.adapters)
+        self._check_games()
         return self
 
     def _check_sync(self) -> None:
@@ -145,6 +147,35 @@ class TrainConfig(Section):
                 raise ValueError(f"adapters.{i}.name: duplicate adapter name {entry.name!r} "
                                  f"(also adapters.{seen[entry.name]}.name)")
             seen[entry.name] = i
+
+    def _check_games(self) -> None:
+        """A game's opponents name adapters of this run, and frozen versions need an engine that keeps them."""
+        names = set(self.adapter_names)
+        for spec in self.adapter_specs:
+            task = spec.task
+            if not isinstance(task, EnvTask):
+                continue
+            for field, value in [("opponents", task.opponents),
+                                 *((f"eval_opponents.{i}", o) for i, o in enumerate(task.eval_opponents or []))]:
+                adapter = value.partition("@v")[0]
+                if value.startswith("scripted:") or adapter in RESERVED:
+                    continue
+                if adapter not in names:
+                    raise ValueError(f"{spec.task_path}.{field}: {value!r} names no adapter of this run "
+                                     f"({', '.join(sorted(names))}); use {OPPONENTS_TEXT}")
+                if value == spec.name:
+                    raise ValueError(f"{spec.task_path}.{field}: {value!r} is this adapter itself: use 'self'")
+            if task.kept_versions and self.generator.type != "vllm" and (task.opponents == "league"
+                                                                         or "@v" in task.opponents):
+                raise ValueError(f"{spec.task_path}.opponents: {task.opponents!r} keeps frozen versions registered, "
+                                 f"which only generator.type = 'vllm' does so far (this config has "
+                                 f"{self.generator.type!r})")
+
+    @property
+    def kept_versions(self) -> int:
+        """Frozen versions the engine keeps registered beyond the staleness window, every adapter's
+        at most (`EnvTask.kept_versions`): LoRA slots of their own."""
+        return sum(spec.task.kept_versions for spec in self.adapter_specs if isinstance(spec.task, EnvTask))
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

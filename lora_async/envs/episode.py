@@ -73,9 +73,10 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
-    def sampled(self, ids: list[int], logprobs: list[float], version: int) -> None:
+    def sampled(self, ids: list[int], logprobs: list[float], version: int, trained: bool = True) -> None:
+        """The model's own tokens (`trained=False`: a frozen seat's, context for nothing to learn)."""
         self.ids += ids
-        self.trained += [True] * len(ids)
+        self.trained += [trained] * len(ids)
         self.logprobs += logprobs
         self.versions += [version] * len(ids)
 
@@ -203,30 +204,14 @@ class Episode:
     async def _reply(self, traj: Trajectory) -> tuple[list[int], str]:
         """One reply, on the newest version; a stopped turn continues where it was cut."""
         s = self.settings
-        reply: list[int] = []
-        while True:
-            room = min(s.max_tokens - len(reply), s.max_model_len - traj.length)
-            if room < 1:
-                if not reply:
-                    raise ContextFull()
-                return reply, "length"
-            prompt = traj.prompt_ids + traj.ids
+
+        def request(prompt: list[int], room: int) -> GenRequest:
             self.requests += 1
-            result = await self.generate(GenRequest(prompt, self.adapter, n=1, max_tokens=room,
-                                                    temperature=s.temperature, top_p=s.top_p, tag=self.tag,
-                                                    keep_partial=s.partial, group=self.group,
-                                                    seed=sub_seed(self.seed, self.requests)))
-            sample = result.samples[0] if result.samples else None
-            if result.status is GenStatus.STOPPED and sample is not None and result.version is not None:
-                traj.sampled(sample.token_ids, sample.logprobs, result.version)
-                reply += sample.token_ids
-                traj.resumed_turns += 1
-                traj.tokens_reprefilled += traj.length
-                continue
-            if not result.ok or sample is None:
-                raise EpisodeAborted(result)
-            traj.sampled(sample.token_ids, sample.logprobs, result.version if result.version is not None else -1)
-            return reply + sample.token_ids, sample.finish_reason
+            return GenRequest(prompt, self.adapter, n=1, max_tokens=room, temperature=s.temperature, top_p=s.top_p,
+                              tag=self.tag, keep_partial=s.partial, group=self.group,
+                              seed=sub_seed(self.seed, self.requests))
+
+        return await sample_reply(traj, s, self.generate, request)
 
     async def _use_tools(self, text: str, turn: int, truncated: bool,
                          traj: Trajectory) -> tuple[Reply, list[Message]]:
@@ -247,6 +232,33 @@ class Episode:
         traj.tool_errors += sum(r.error for r in results)
         reply = Reply(text, strip_tool_calls(text), calls, results, turn, truncated)
         return reply, [{"role": "tool", "content": r.content} for r in results]
+
+
+async def sample_reply(traj: Trajectory, settings: EpisodeSettings, generate: Generate,
+                       request: Callable[[list[int], int], GenRequest], trained: bool = True) -> tuple[list[int], str]:
+    """One reply on `traj`'s context: its token ids and finish reason. `request(prompt, room)`
+    builds each request. A turn a learner step stopped (`GenStatus.STOPPED`) keeps its tokens and
+    goes on from there on the newest version. Raises ContextFull when no token fits, and
+    EpisodeAborted when generation cannot go on. `trained=False`: a frozen seat's reply."""
+    reply: list[int] = []
+    while True:
+        room = min(settings.max_tokens - len(reply), settings.max_model_len - traj.length)
+        if room < 1:
+            if not reply:
+                raise ContextFull()
+            return reply, "length"
+        result = await generate(request(traj.prompt_ids + traj.ids, room))
+        sample = result.samples[0] if result.samples else None
+        if result.status is GenStatus.STOPPED and sample is not None and result.version is not None:
+            traj.sampled(sample.token_ids, sample.logprobs, result.version, trained)
+            reply += sample.token_ids
+            traj.resumed_turns += 1
+            traj.tokens_reprefilled += traj.length
+            continue
+        if not result.ok or sample is None:
+            raise EpisodeAborted(result)
+        traj.sampled(sample.token_ids, sample.logprobs, result.version if result.version is not None else -1, trained)
+        return reply + sample.token_ids, sample.finish_reason
 
 
 def check_messages(messages: Any, what: str) -> None:

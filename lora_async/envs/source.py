@@ -24,6 +24,7 @@ from typing import Any, Callable
 from ..buffer import Group, TrainSample, group_advantages
 from ..config import EnvTask
 from ..errors import UserError, error_line
+from ..league import League
 from ..outcomes import EpisodeStats, Outcome
 from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext, sub_seed
 from ..config import auto_workers
@@ -158,6 +159,11 @@ class EnvSource:
             return self.renderer(tokenizer).opening(messages)
         except (EpisodeError, TypeError, KeyError):
             return None
+
+    league: League | None = None  # only a game against past versions has one (`envs.games`)
+
+    def pinned(self) -> list[tuple[str, int]]:
+        return []
 
     async def probe_prompt(self, tokenizer: Tokenizer) -> list[int] | None:
         """The first held-out episode's opening."""

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from ..adapters import AdapterStore
 from ..buffer import RolloutBuffer
-from ..checkpoint import RunState, checkpoint_auto, latest_checkpoint, load_checkpoint
+from ..checkpoint import RunState, checkpoint_auto, latest_checkpoint, load_checkpoint, load_frozen
 from ..config import TrainConfig, dump_config
 from ..errors import TrainingError
 from ..generator import RunGenerator
@@ -156,6 +156,7 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
         state = None
         if checkpoint_path is not None:  # the learner's state now; the metrics file before it is opened
             state = await asyncio.get_running_loop().run_in_executor(pool, load_checkpoint, checkpoint_path, learner)
+            restore_leagues(adapters, state)
             kept = truncate_metrics(out_dir / "metrics.jsonl", state.steps)
             versions = ", ".join(f"{n} v{learner.version(n)}" for n in adapters)
             console.print(f"resumed from {checkpoint_path.name}: step {state.step} ({versions}), "
@@ -179,6 +180,7 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
               window=window, choice=choice, auto=auto, board=board)
     if state is not None:
         restore(run, state)
+        run.restored_frozen = load_frozen(checkpoint_path) if checkpoint_path is not None else []
     for adapter in adapters.values():
         run.metrics.set_completed(adapter.name, adapter.step)
     return run
@@ -191,6 +193,17 @@ def restore(run: Run, state: RunState) -> None:
         adapter.step = state.steps.get(name, 0)
         adapter.next_problem = state.next_problem.get(name, 0)
         adapter.counters = Counters.from_dict(state.counters.get(name, {}))
+
+
+def restore_leagues(adapters: dict[str, AdapterRun], state: RunState) -> None:
+    """Each game's league as the checkpoint left it: the same pool, the same ratings."""
+    for name, adapter in adapters.items():
+        saved = (state.leagues or {}).get(name)
+        if adapter.source.league is not None and saved is not None:
+            try:
+                adapter.source.league.restore(saved)
+            except ValueError as exc:
+                raise TrainingError(str(exc)) from None
 
 
 class StopSwitch:

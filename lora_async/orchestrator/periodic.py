@@ -33,8 +33,10 @@ async def checkpoint(run: Run) -> None:
     state = RunState(step=run.global_step, steps={n: a.step for n, a in run.adapters.items()},
                      next_problem={n: a.next_problem for n, a in run.adapters.items()}, wall_s=run.wall_s,
                      counters={n: a.counters.as_dict() for n, a in run.adapters.items()},
-                     auto=run.auto.to_json() if run.auto is not None else None)
-    await run.in_learner(save_checkpoint, run.out_dir, state, run.learner)
+                     auto=run.auto.to_json() if run.auto is not None else None,
+                     leagues={n: league.state_dict() for n, a in run.adapters.items()
+                              if (league := a.source.league) is not None} or None)
+    await run.in_learner(save_checkpoint, run.out_dir, state, run.learner, list(run.frozen.values()))
     for adapter in run.adapters.values():
         await save_adapter(run, adapter, final=False)
 

@@ -15,6 +15,7 @@ from ..errors import TrainingError
 from ..generator.types import GenRequest, PublishStats
 from ..generator.validate import AdapterError
 from ..handoff import PackError
+from .frozen import check_pinned, keep_if_named, publish_frozen
 from .periodic import save_snapshot
 from .state import AdapterRun, Run
 
@@ -25,10 +26,15 @@ CANARY_TOKENS = 16
 
 
 async def publish_initial(run: Run) -> None:
-    """Hand every adapter's starting version to the generator; wait until each is servable."""
+    """Hand every adapter's starting version to the generator; wait until each is servable. A
+    resumed run's frozen opponents go first, oldest first (`frozen.py`)."""
+    await publish_frozen(run, run.restored_frozen)
+    check_pinned(run)
     for adapter in run.adapters.values():
         version = await run.in_learner(run.learner.adapter_version, adapter.name)
-        await asyncio.to_thread(run.transport.publish, version)
+        if (adapter.name, version.version) not in run.frozen:  # a kept version is registered already
+            await asyncio.to_thread(run.transport.publish, version)
+            await keep_if_named(run, adapter, version)
         adapter.admission.version_published(version.version)
         if run.config.run.save_every:
             save_snapshot(run, adapter, version, run.wall_s)
@@ -56,6 +62,7 @@ async def publish_and_record(run: Run, adapter: AdapterRun, version: AdapterVers
     if version is not None:
         stats = await deliver(run, adapter, version, row)
         if stats is not None:
+            await keep_if_named(run, adapter, version)  # a game's frozen opponent: before a newer one can retire it
             adapter.admission.version_published(version.version)
             await run.notify()
             row.update(sync_ms=stats.ms, sync_wait_ms=stats.wait_ms, sync_bytes=stats.bytes,

@@ -88,6 +88,7 @@ def step_row(run: Run, adapter: AdapterRun, groups: list[Group], stats: StepStat
         "rejected_versions": counters.rejected_versions,
         "aborted_stale_groups": counters.aborted_stale, "reward_errors": adapter.source.stats.errors,
         **episode_figures(adapter),
+        **(league.figures() if (league := adapter.source.league) is not None else {}),
         **run.generator.stats.replica_figures(),
     }
 
@@ -174,6 +175,8 @@ def run_summary(run: Run) -> dict[str, Any]:
         for row in (r for r in run.evals if r["adapter"] == name):
             summary[f"{prefix}accuracy_{row['when']}"] = row["accuracy"]
         summary.update({f"{prefix}{key}": value for key, value in lag_averages(run, name).items()})
+        if adapter.source.league is not None:  # every version it kept, with its Elo rating and results
+            summary[f"{prefix}league"] = adapter.source.league.summary()
     summary.update(run.generator.stats.replica_figures())
     summary.update(time_totals(run))
     summary.update(run.choice.figures() if run.choice is not None else

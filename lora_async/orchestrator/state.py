@@ -164,6 +164,9 @@ class Run:
     learner_clock: LearnerClock = field(default_factory=LearnerClock)
     began: StepMarks | None = None  # the clocks when training began (producers started) ...
     ended: StepMarks | None = None  # ... and when it ended (producers stopped): the summary's split
+    # a game's frozen opponents kept registered, with their tensors for checkpoints (`frozen.py`)
+    frozen: dict[tuple[str, int], AdapterVersion] = field(default_factory=dict)
+    restored_frozen: list[AdapterVersion] = field(default_factory=list)  # a resumed run's, to publish first
 
     # ---- stopping
     @property

@@ -205,7 +205,8 @@ def generator_items(config: "TrainConfig", gen: "VllmGeneratorConfig", shape: Mo
         learners = config.model.quantization != "none" and config.generator.base == "learner"
         items = [Item(part, f"base weights, {dtype}", weights,
                       f"learner's {config.model.quantization}, dequantised" if learners else "unquantised")]
-    spec = EngineSpec(Path("."), tuple(config.adapter_names), config.buffer.window, config.max_lora_rank)
+    spec = EngineSpec(Path("."), tuple(config.adapter_names), config.buffer.window, config.max_lora_rank,
+                      kept=config.kept_versions)  # a game's frozen opponents: slots of their own
     # vLLM sizes a slot for every linear layer it can adapt, at max_lora_rank, in the model dtype.
     slot = shape.lora_params(spec.max_lora_rank, "all-linear") * b
     slots = spec.max_loras + (spec.max_cpu_loras if device == "cpu" else 0)

@@ -73,11 +73,14 @@ def make_source(spec: AdapterSpec, config: TrainConfig, seed: int) -> RolloutSou
     match task:
         case EnvTask():
             from ..envs.episode import EpisodeSettings
+            from ..envs.games import GameSource, is_game_task
             from ..envs.source import EnvSource
 
-            return EnvSource(task, seed, f"{spec.task_path}.env", spec.name, EpisodeSettings.for_adapter(config, spec),
-                             EpisodeSettings.for_adapter(config, spec, greedy=True), spec.sampling.samples_per_prompt,
-                             in_flight)
+            where = f"{spec.task_path}.env"
+            source = GameSource if is_game_task(task, where) else EnvSource
+            return source(task, seed, where, spec.name, EpisodeSettings.for_adapter(config, spec),
+                          EpisodeSettings.for_adapter(config, spec, greedy=True), spec.sampling.samples_per_prompt,
+                          in_flight)
         case _:
             from .source import SingleTurnSource
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from ..buffer import Group, TrainSample, group_advantages
 from ..config import SamplingConfig
 from ..generator.types import GenRequest, GenResult, GenStatus, Sample
+from ..league import League
 from ..outcomes import EpisodeStats
 from ..rollout import EVAL_EXAMPLES, EvalResult, Generate, GroupRollout, RewardStats, RolloutContext, sub_seed
 from ..tokenizer import Tokenizer, text_of
@@ -165,6 +166,11 @@ class SingleTurnSource:
                           accuracy=sum(r >= 1.0 for r in rewards) / n if n else 0.0,
                           mean_reward=sum(rewards) / n if n else 0.0, n=n,
                           examples=[(p.text, t, p.answer) for p, t in zip(problems[:EVAL_EXAMPLES], texts)])
+
+    league: League | None = None  # only a game against past versions has one (`envs.games`)
+
+    def pinned(self) -> list[tuple[str, int]]:
+        return []
 
     async def probe_prompt(self, tokenizer: Tokenizer) -> list[int] | None:
         """The first held-out problem (or the first training one, without a held-out split)."""

@@ -1,0 +1,133 @@
+"""Games in the training loop, against the fakes (tests/fakes.py): seats that see only their own
+conversation, trained and frozen seats, a league of past versions kept registered and drawn as
+opponents, Elo ratings, held-out win rates, and a resumed run that keeps its pool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from lora_async.config import TrainConfig
+from lora_async.envs.source import EnvLoadError
+from lora_async.generator.types import GenRequest
+from lora_async.metrics import read_metrics
+from lora_async.orchestrator import train
+from lora_async.tasks import make_source
+
+from .fakes import FakeParts
+
+NIM = "lora_async.envs.builtin.nim:make"
+
+
+def config(tmp_path: Path, **task: object) -> TrainConfig:
+    return TrainConfig.model_validate({
+        "sampling": {"samples_per_prompt": 4, "max_new_tokens": 16},
+        "generator": {"groups_in_flight": 4, "max_model_len": 4096},
+        "learner": {"groups_per_step": 2},
+        "buffer": {"mode": "async", "max_staleness": 1},
+        "run": {"max_steps": 8, "output_dir": str(tmp_path / "out"), "progress": False, "canary_every": 0,
+                "chart_every": 0, "eval_at_start": True, "eval_at_end": True, "checkpoint_every": 4},
+        "task": {"type": "env", "env": NIM, "max_turns": 6, "heldout": 6, **task},
+    })
+
+
+def moves(request: GenRequest, rng: random.Random) -> str:
+    """A player that names a random heap and count: legal or not, as a weak model's would be."""
+    return f"take {rng.randint(1, 2)} from {rng.choice('ABC')}"
+
+
+def run(cfg: TrainConfig, parts: FakeParts, resume: bool = False) -> dict:
+    return asyncio.run(train(cfg, resume=resume, console=Console(stderr=True, width=200), parts=parts))
+
+
+def rows(cfg: TrainConfig, kind: str | None = None) -> list[dict]:
+    found = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")
+    return [r for r in found if r.get("kind") == kind]
+
+
+def league_parts() -> FakeParts:
+    return FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.05, reply=moves)
+
+
+def test_a_league_keeps_past_versions_registered_and_plays_them(tmp_path):
+    cfg = config(tmp_path, opponents="league", league={"every": 2, "size": 2, "pick": "uniform"})
+    parts = league_parts()
+    summary = run(cfg, parts)
+    generator = parts.fake_generator
+    league = summary["league"]
+    kept = sorted(m["version"] for m in league["members"] if m["in_pool"])
+    # every 2 versions, 2 at most, and v0 (the anchor, also the held-out opponent `self@v0`) stays
+    assert kept == [6, 8] and league["anchor"] == 0
+    assert generator.kept == {("main", 0), ("main", 6), ("main", 8)}
+    assert [m["version"] for m in league["members"]] == [0, 2, 4, 6, 8]
+    # the opponents' requests named a kept version and carry no rollout tag (a step never stops
+    # them); the trained seat's asked for the newest, on the rollout tag
+    pinned = [r for r in generator.requests if r.version is not None]
+    assert {0, 2, 4, 6} <= {r.version for r in pinned} <= {0, 2, 4, 6, 8} and all(r.tag is None for r in pinned)
+    assert all(r.tag == "rollout" for r in generator.requests if r.version is None and r.temperature > 0)
+    # games against a member since let go moved only the adapter's rating
+    assert league["games"] > 0 and 0 < sum(m["games"] for m in league["members"]) <= league["games"]
+    assert all(m["games"] > 0 for m in league["members"] if m["version"] < 8)
+    train_rows = rows(cfg)
+    assert all("league_elo" in r and r["league_size"] >= 1 for r in train_rows)
+    evals = rows(cfg, "eval")
+    assert {"vs_self_v0/win", "vs_self_v0/draw", "vs_self_v0/loss", "vs_random/win", "vs_expert/loss"} <= set(evals[0])
+    assert all(r["accuracy"] == r["vs_self_v0/win"] for r in evals)
+
+
+def test_each_seat_sees_only_its_own_conversation(tmp_path):
+    """A trained seat's sample holds its own opening, its replies and the game's messages to it:
+    never the other seat's opening."""
+    cfg = config(tmp_path, opponents="scripted:random", seat="first")
+    parts = league_parts()
+    summary = run(cfg, parts)
+    assert summary["steps"] == 8
+    samples = [s for t in parts.fake_learner.trained for s in t.samples]
+    assert samples
+    for s in samples:
+        text = bytes(s.prompt_ids + s.completion_ids).decode()
+        assert "You move first" in text and "Your opponent moves first" not in text
+        assert s.reward in (0.0, 1.0)
+    # the scripted player drew nothing from the generator: every request was the trained seat's
+    assert all(version is not None for _, version, _, _ in parts.fake_generator.served)
+
+
+def test_a_resumed_run_keeps_the_pool_and_the_ratings(tmp_path):
+    cfg = config(tmp_path, opponents="league", league={"every": 2, "size": 3})
+    first = league_parts()
+    run(cfg, first)
+    checkpoint = json.loads((tmp_path / "out" / "checkpoints" / "step-000008" / "state.json").read_text())
+    saved = checkpoint["leagues"]["main"]
+    frozen = sorted(p.name for p in (tmp_path / "out" / "checkpoints" / "step-000008" / "frozen").iterdir())
+    assert frozen == ["main@v0.safetensors", "main@v4.safetensors", "main@v6.safetensors", "main@v8.safetensors"]
+
+    more = cfg.model_copy(update={"run": cfg.run.model_copy(update={"max_steps": 10, "eval_at_start": False})})
+    second = league_parts()
+    summary = run(more, second, resume=True)
+    published = [e for e in second.events if e.startswith("publish")]
+    # the kept versions first, oldest first, then the current one (v8 is both: kept once)
+    assert published[:4] == ["publish main@v0", "publish main@v4", "publish main@v6", "publish main@v8"]
+    assert "publish main@v8" not in published[4:]
+    league = summary["league"]
+    resumed = {m["version"]: m for m in league["members"]}
+    for member in saved["history"]:  # the same members; the ones still in the pool played on from their ratings
+        if not member["version"] in {4, 6, 8}:
+            assert resumed[member["version"]] == {**member, "in_pool": False}
+    assert {("main", 0), ("main", 10)} <= second.fake_generator.kept
+
+
+def test_a_single_seat_environment_refuses_a_games_fields(tmp_path):
+    cfg = config(tmp_path, env="lora_async.envs.builtin.guess:make", opponents="base")
+    with pytest.raises(EnvLoadError, match=r"task.opponents: .* single-seat"):
+        make_source(cfg.adapter_specs[0], cfg, 0)
+
+
+def test_an_unknown_scripted_player_is_one_line_naming_the_field(tmp_path):
+    cfg = config(tmp_path, opponents="scripted:grandmaster")
+    with pytest.raises(EnvLoadError, match=r"task.opponents: .* no scripted player 'grandmaster'"):
+        make_source(cfg.adapter_specs[0], cfg, 0)
