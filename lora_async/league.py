@@ -271,3 +271,10 @@ class League:
             raise ValueError(f"league {self.adapter!r}: the checkpoint's league has size, every, pick and seed "
                              f"{theirs}, this run's config {mine}: a resumed run keeps its league's settings")
         self.__dict__.update(saved.__dict__)
+
+
+def league_line(summary: dict[str, Any]) -> str:
+    """A league's `summary()` in one line: the adapter's rating, then each kept version's."""
+    members = ", ".join(f"v{m['version']} {m['elo']:.0f}" + ("" if m["in_pool"] else " (let go)")
+                        for m in summary["members"])
+    return f"Elo {summary['rating']:.0f} after {summary['games']} games; kept: {members or 'none'}"

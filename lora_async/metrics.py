@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .league import league_line
 from .progress import Stage
 from .timing import IDLE_CAUSES
 
@@ -85,6 +86,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
     for key, value in summary.items():
         if key == "mode_decisions":
             table.add_row(key, decisions_line(value))
+        elif key.endswith("league") and isinstance(value, dict):
+            table.add_row(key, league_line(value))
         elif not TIME_KEY.search(key):
             table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     return table

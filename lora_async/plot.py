@@ -1,8 +1,9 @@
 """`lora-async plot`: runs side by side against wall-clock (reward, held-out accuracy, policy lag,
 sync time; for environments reward, held-out success, tool-call rate and turns), one labelled
 line per run (and per adapter in a fleet). Below them, the share of tokens the loss clipped or
-masked, one line style per lag bucket (`lag_figures.py`); then, for each run whose step rows say where
-the time went, a stacked panel: the generator's compute and idle time by cause, as shares of
+masked, one line style per lag bucket (`lag_figures.py`); for games against past versions, the
+league's Elo rating and the held-out win rate against each opponent; then, for each run whose step
+rows say where the time went, a stacked panel: the generator's compute and idle time by cause, as shares of
 each step's interval. Headless matplotlib."""
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ ENV_PANELS = (
 # bucket's tokens the loss clipped or masked; a run's colour, a line style per bucket.
 LAG_STYLES = ("-", "--", "-.", ":")
 LAG_PANEL_HEIGHT = 2.6  # inches
+
+# The league row (games against past versions, `league.py`): the adapter's Elo rating from the
+# league's games, and the held-out win rate against each held-out opponent (a line style each).
+WIN_KEY = re.compile(r"^vs_(.+)/win$")
+LEAGUE_PANEL_HEIGHT = 2.6  # inches
 
 # The stacked time panel, bottom to top: compute, then idle by cause (the row's keys, a label).
 TIME_PARTS = (("gen_compute_s", "compute"), *((f"gen_idle_{c}_s", f"idle: {c}") for c in IDLE_CAUSES))
@@ -114,6 +120,28 @@ def draw_lag_panel(ax: Any, series: dict[str, list[dict[str, Any]]], colours: di
     ax.legend(fontsize="x-small", ncol=4, frameon=False)
 
 
+def draw_league_panels(elo: Any, wins: Any, series: dict[str, list[dict[str, Any]]], colours: dict[str, str]) -> None:
+    """The league's Elo per step row, and each held-out opponent's win rate per eval (a run's colour)."""
+    for name, rows in series.items():
+        points = [(r["wall_s"], r["league_elo"]) for r in rows if "kind" not in r and "league_elo" in r]
+        if points:
+            xs, ys = zip(*points)
+            elo.plot(xs, ys, color=colours.get(name))
+        evals = [r for r in rows if r.get("kind") == "eval"]
+        opponents = sorted({m.group(1) for r in evals for key in r if (m := WIN_KEY.match(key))})
+        for opponent, style in zip(opponents, LAG_STYLES * len(opponents)):
+            found = [(r["wall_s"], r[f"vs_{opponent}/win"]) for r in evals if f"vs_{opponent}/win" in r]
+            xs, ys = zip(*found)
+            wins.plot(xs, ys, color=colours.get(name), linestyle=style, marker="o", markersize=3,
+                      label=f"vs {opponent}" if name == next(iter(series)) else None)
+    elo.set_title("league Elo (the adapter, from its games against kept versions)")
+    wins.set_title("held-out win rate (greedy), by opponent")
+    wins.legend(fontsize="small", frameon=False)
+    for ax in (elo, wins):
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("wall-clock (s)")
+
+
 def draw_time_panel(ax: Any, name: str, xs: list[float], shares: dict[str, list[float]]) -> None:
     """One series' stacked panel; each step's shares fill the interval before its row (step="pre")."""
     ax.stackplot(xs, *shares.values(), labels=[label for _, label in TIME_PARTS], colors=TIME_COLOURS, step="pre")
@@ -141,8 +169,11 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, group_s
     time_rows = math.ceil(len(timed) / 2)
     by_lag = {name: rows for name, rows in series.items() if lag_series(rows)}
     lag_rows = 1 if by_lag else 0
-    fig = plt.figure(figsize=(11, 7 + LAG_PANEL_HEIGHT * lag_rows + TIME_PANEL_HEIGHT * time_rows))
-    grid = fig.add_gridspec(2 + lag_rows + time_rows, 2)
+    league = {name: rows for name, rows in series.items() if any("league_elo" in r for r in rows)}
+    league_rows = 1 if league else 0
+    fig = plt.figure(figsize=(11, 7 + LEAGUE_PANEL_HEIGHT * league_rows + LAG_PANEL_HEIGHT * lag_rows
+                              + TIME_PANEL_HEIGHT * time_rows))
+    grid = fig.add_gridspec(2 + league_rows + lag_rows + time_rows, 2)
     first = fig.add_subplot(grid[0, 0])
     axes = [[first, fig.add_subplot(grid[0, 1], sharex=first)],
             [fig.add_subplot(grid[1, 0], sharex=first), fig.add_subplot(grid[1, 1], sharex=first)]]
@@ -164,10 +195,13 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, group_s
             colours.setdefault(name, color)
         ax.set_title(label)
         ax.grid(alpha=0.3)
+    if league:
+        draw_league_panels(fig.add_subplot(grid[2, 0], sharex=first), fig.add_subplot(grid[2, 1], sharex=first),
+                           league, colours)
     if by_lag:
-        draw_lag_panel(fig.add_subplot(grid[2, :], sharex=first), by_lag, colours)
+        draw_lag_panel(fig.add_subplot(grid[2 + league_rows, :], sharex=first), by_lag, colours)
     for i, (name, (clock, parts)) in enumerate(timed.items()):
-        row = 2 + lag_rows + i // 2
+        row = 2 + league_rows + lag_rows + i // 2
         where = grid[row, :] if len(timed) == 1 else grid[row, i % 2]
         ax = fig.add_subplot(where, sharex=first)
         draw_time_panel(ax, name, clock, parts)

@@ -278,6 +278,26 @@ def test_publish_retire_cycles_stay_bounded(engine, tiny_model):
     assert engine.engine_lora_ids() == live_ids
 
 
+def test_a_kept_version_is_served_beside_newer_ones_until_let_go(engine, tiny_model):
+    """A game's frozen opponent (a league's past version): kept as it is published, it outlives
+    the staleness window, a request pinned to it is served its own weights, new requests still
+    get the newest, and once let go it leaves the engine."""
+    first = next_version(engine, "c")
+    publish(engine, random_adapter(tiny_model, "c", first, seed=71, scale=3.0))
+    engine.keep("c", first)
+    before = greedy(engine, "c", PROMPTS[2])
+    for seed in (72, 73, 74):
+        publish(engine, random_adapter(tiny_model, "c", next_version(engine, "c"), seed=seed, scale=3.0))
+    live = engine.live_versions("c")
+    assert first in live and len(live) == engine.spec.window.live_versions + 1
+    pinned = generate(engine, GenRequest(PROMPTS[2], "c", max_tokens=6, version=first, **GREEDY))
+    assert pinned.version == first and pinned.samples[0].token_ids == before.samples[0].token_ids
+    assert greedy(engine, "c", PROMPTS[2]).version == first + 3
+    engine.let_go("c", first)
+    assert first not in engine.live_versions("c")
+    assert engine.engine_lora_ids() == sorted(lv.int_id for lv in engine.registry.all_live())
+
+
 def test_live_versions_never_touch_lora_path(engine, tiny_model):
     """Live versions are registered in the worker; their lora_path is fake and never read."""
     v = next_version(engine, "c")

@@ -47,6 +47,25 @@ def test_versions_must_increase():
         reg.add("a", 2)
 
 
+def test_a_kept_version_outlives_the_window_until_it_is_let_go():
+    """A frozen opponent (a league's past version) stays registered however far the newest moves
+    on, is never the one evicted from a full engine, and retires once let go and drained."""
+    reg = VersionRegistry(StalenessWindow(1), capacity=10)
+    v0 = reg.add("a", 0)
+    reg.keep("a", 0)
+    for v in range(1, 6):
+        reg.add("a", v)
+        for old in reg.retirable():
+            reg.remove(old)
+    assert reg.versions("a") == [0, 4, 5] and reg.kept() == [("a", 0)]
+    assert reg.oldest_outside_window() is None  # nothing else is outside: the kept one is not a candidate
+    held = reg.acquire("a", 0)  # a request pinned to it
+    assert reg.let_go("a", 0) is None  # in flight: not yet
+    assert reg.release(held) and reg.retirable() == [v0]
+    with pytest.raises(RegistryError, match="not live"):
+        reg.keep("a", 1)  # retired long ago: nothing to keep
+
+
 def test_retire_only_drained_versions_outside_the_window():
     reg = VersionRegistry(StalenessWindow(1), capacity=10)
     v0 = reg.add("a", 0)

@@ -78,6 +78,20 @@ def test_a_league_keeps_past_versions_registered_and_plays_them(tmp_path):
     evals = rows(cfg, "eval")
     assert {"vs_self_v0/win", "vs_self_v0/draw", "vs_self_v0/loss", "vs_random/win", "vs_expert/loss"} <= set(evals[0])
     assert all(r["accuracy"] == r["vs_self_v0/win"] for r in evals)
+    # the plot has the league's row: the Elo line and the win rate by opponent (the same run less
+    # the league's figures draws one row less)
+    import matplotlib.image
+
+    from lora_async.plot import LEAGUE_PANEL_HEIGHT, plot_runs
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    kept = [{k: v for k, v in r.items() if not k.startswith(("league_", "vs_"))}
+            for r in read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")]
+    (plain / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    heights = [matplotlib.image.imread(plot_runs([run_dir], tmp_path / f"{run_dir.name}.png")).shape[0]
+               for run_dir in (Path(cfg.run.output_dir), plain)]
+    assert heights[0] - heights[1] == round(LEAGUE_PANEL_HEIGHT * 110)
 
 
 def test_each_seat_sees_only_its_own_conversation(tmp_path):
@@ -131,3 +145,35 @@ def test_an_unknown_scripted_player_is_one_line_naming_the_field(tmp_path):
     cfg = config(tmp_path, opponents="scripted:grandmaster")
     with pytest.raises(EnvLoadError, match=r"task.opponents: .* no scripted player 'grandmaster'"):
         make_source(cfg.adapter_specs[0], cfg, 0)
+
+
+def digits(request: GenRequest, rng: random.Random) -> str:
+    return f"The number is {rng.randint(1, 9)}."
+
+
+def test_two_adapters_of_a_fleet_cooperate_each_training_on_its_own_seat(tmp_path):
+    """Relay, the example's fleet: each adapter trains its own seat with the other adapter's
+    newest version frozen in the partner seat; both share the reward."""
+    from lora_async.config import load_config
+
+    REPO = Path(__file__).resolve().parents[1]
+    cfg = load_config(REPO / "examples" / "relay.toml")
+    run_config = cfg.run.model_copy(update={"max_steps": 4, "output_dir": str(tmp_path / "out"), "progress": False,
+                                            "canary_every": 0, "chart_every": 0, "time_budget_s": None})
+    cfg = cfg.model_copy(update={"run": run_config})
+    parts = FakeParts(["sender", "receiver"], gen_delay=lambda: 0.01, step_s=0.05, reply=digits)
+    summary = run(cfg, parts)
+    assert summary["steps"] == 8
+    by_adapter: dict[str, list] = {}
+    for t in parts.fake_learner.trained:
+        by_adapter.setdefault(t.adapter, []).extend(t.samples)
+    for adapter, seat_text in (("sender", "The secret number is"), ("receiver", "Reply with only the number")):
+        samples = by_adapter[adapter]
+        assert samples and all(seat_text in bytes(s.prompt_ids).decode() for s in samples)
+    # the partner's requests: the other adapter's newest version, never on the rollout tag
+    partner = [r for r in parts.fake_generator.requests if r.tag is None and r.temperature > 0]
+    assert {r.adapter for r in partner} == {"sender", "receiver"} and all(r.version is None for r in partner)
+    evals = [r for r in rows(cfg, "eval") if r["adapter"] == "receiver"]
+    assert evals and {"vs_sender/win", "vs_copy/draw"} <= set(evals[0])
+    # a cooperative game has no winner: its accuracy is the share of rounds the pair got right
+    assert all(r["vs_copy/draw"] == 1.0 for r in evals)

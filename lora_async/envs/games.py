@@ -22,6 +22,7 @@ import dataclasses
 from typing import Any, Callable
 
 from ..buffer import Group, TrainSample, group_advantages
+from ..generator.types import GenStatus
 from ..config import EnvTask
 from ..league import GameResult, League, Pick
 from ..outcomes import EpisodeStats, Outcome
@@ -29,7 +30,7 @@ from ..rollout import EvalResult, Generate, GroupRollout, RolloutContext, sub_se
 from ..timing import NO_WAITS, Waits
 from ..tokenizer import Tokenizer
 from .base import Split
-from .episode import EpisodeAborted, EpisodeError, EpisodeSettings, call_env
+from .episode import EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, call_env
 from .game import check_game, is_game
 from .match import Kind, Match, MatchRecord, Opponent, SeatPolicy
 from .source import MIN_EPISODES, EnvLoadError, EnvSource, load_object, transcript
@@ -160,37 +161,48 @@ class GameSource(EnvSource):
     async def evaluate(self, generate: Generate, tokenizer: Tokenizer, adapter: str | None, limit: int = 0,
                        done: Callable[[], None] | None = None) -> EvalResult:
         """Greedy games on the held-out split against each held-out opponent: win, draw and loss
-        rates (`vs_<opponent>/win`, ...); `accuracy` is the win rate against the first."""
+        rates (`vs_<opponent>/win`, ...); `accuracy` is the success rate against the first (the
+        win rate; in a game no one wins, a cooperative one, the games it counts a success). A
+        frozen opponent the engine does not hold (a version not published yet, or `lora-async
+        eval` on a saved adapter) is left out, and the next one gives the accuracy."""
         indices = self.heldout()[: limit or None]
 
-        async def one(index: int, opponent: Opponent) -> MatchRecord:
-            record = await self.play_game(index, "eval", tokenizer, self.eval_settings, generate,
-                                          self.policies(index, opponent, adapter, trained=False), None)
-            if done is not None:
-                done()
-            return record
+        async def one(index: int, opponent: Opponent) -> MatchRecord | None:
+            try:
+                return await self.play_game(index, "eval", tokenizer, self.eval_settings, generate,
+                                            self.policies(index, opponent, adapter, trained=False), None)
+            except EpisodeAborted as exc:
+                if opponent.pinned is not None and exc.result.status is GenStatus.REFUSED:
+                    return None  # a frozen version not registered here (yet): its games are left out
+                raise
+            finally:
+                if done is not None:
+                    done()
 
         played = await asyncio.gather(*(one(i, o) for o in self.eval_opponents for i in indices),
                                       return_exceptions=True)
         failed = next((p for p in played if isinstance(p, BaseException)), None)
         if failed is not None:
             raise RuntimeError(f"evaluation game failed: {failed}")
-        records = [p for p in played if isinstance(p, MatchRecord)]
         extra: dict[str, float | int] = {}
-        first: list[GameResult] = []
+        own: list[Trajectory] = []
+        first: list[float] = []
         for k, opponent in enumerate(self.eval_opponents):
-            mine = [r.results.get(self.seat_of(i), GameResult.LOSS)
-                    for r, i in zip(records[k * len(indices):(k + 1) * len(indices)], indices)]
-            first = first or mine
+            games = [(r, i) for r, i in zip(played[k * len(indices):(k + 1) * len(indices)], indices)
+                     if isinstance(r, MatchRecord)]
+            if not games:
+                continue
+            mine = [r.results.get(self.seat_of(i), GameResult.LOSS) for r, i in games]
             for result in GameResult:
-                extra[f"vs_{opponent.label}/{result.value}"] = mine.count(result) / len(mine) if mine else 0.0
-        own = [t for r, i in zip(records, [i for _ in self.eval_opponents for i in indices])
-               if (t := r.trajectories.get(self.seat_of(i))) is not None]
+                extra[f"vs_{opponent.label}/{result.value}"] = mine.count(result) / len(mine)
+            first = first or [float(r.success(self.seat_of(i))) for r, i in games]
+            own += [t for r, i in games if (t := r.trajectories.get(self.seat_of(i))) is not None]
         stats = EpisodeStats.of(own)
         versions = [v for t in own for v, trained in zip(t.versions, t.trained) if v >= 0]
         return EvalResult(adapter=adapter, version=max(versions) if adapter is not None and versions else None,
-                          accuracy=first.count(GameResult.WIN) / len(first) if first else 0.0,
-                          mean_reward=sum(t.reward for t in own) / len(own) if own else 0.0, n=len(records),
+                          accuracy=sum(first) / len(first) if first else 0.0,
+                          mean_reward=sum(t.reward for t in own) / len(own) if own else 0.0,
+                          n=sum(isinstance(p, MatchRecord) for p in played),
                           examples=[transcript(t) for t in own[:3]], extra={**extra, **stats.eval_figures()})
 
     async def opening_ids(self, index: int, split: Split, tokenizer: Tokenizer) -> list[int] | None:

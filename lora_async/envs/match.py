@@ -113,6 +113,15 @@ class MatchRecord:
     error: str | None = None
     replies: int = 0
 
+    def success(self, seat: str) -> bool:
+        """`seat` won; in a finished game no one wins (cooperative), what the game counts a
+        success (`info["success"]`, else a reward of 1)."""
+        if self.outcome is not Outcome.DONE:
+            return False
+        if self.winner is not None:
+            return self.winner == seat
+        return bool(self.info.get("success", self.rewards.get(seat, 0.0) >= 1.0))
+
 
 class Match:
     """Plays one game to its end."""
@@ -227,15 +236,11 @@ class Match:
         rewards = {seat: float(move.rewards.get(seat, 0.0)) for seat in seats}
         results = {seat: GameResult.DRAW if winner is None else GameResult.WIN if seat == winner else GameResult.LOSS
                    for seat in seats}
-        trajectories = {}
+        record = MatchRecord({}, results, outcome, rewards, winner, dict(move.info), error, replies)
         for seat, play in seats.items():
             traj = play.trajectory
-            if traj is None:
-                continue
-            traj.reward, traj.outcome, traj.error = rewards[seat], outcome, error
-            # `success`: won, or (a game no one wins: cooperative) what the game says, else a reward of 1
-            traj.info = {**move.info, "success": results[seat] is GameResult.WIN
-                         or (winner is None and bool(move.info.get("success", rewards[seat] >= 1.0)))
-                         if outcome is Outcome.DONE else False}
-            trajectories[seat] = traj
-        return MatchRecord(trajectories, results, outcome, rewards, winner, dict(move.info), error, replies)
+            if traj is not None:
+                traj.reward, traj.outcome, traj.error = rewards[seat], outcome, error
+                traj.info = {**move.info, "success": record.success(seat)}
+                record.trajectories[seat] = traj
+        return record
