@@ -177,3 +177,21 @@ def test_two_adapters_of_a_fleet_cooperate_each_training_on_its_own_seat(tmp_pat
     assert evals and {"vs_sender/win", "vs_copy/draw"} <= set(evals[0])
     # a cooperative game has no winner: its accuracy is the share of rounds the pair got right
     assert all(r["vs_copy/draw"] == 1.0 for r in evals)
+
+
+def test_the_engine_and_the_memory_plan_count_a_leagues_lora_slots(tmp_path):
+    """A league of 8 keeps 9 versions beyond the staleness window (the pool and v0): the engine
+    sizes its LoRA slots for them, and `lora-async plan` counts them."""
+    from lora_async.generator.spec import EngineSpec
+    from lora_async.plan.estimate import generator_items
+    from lora_async.plan.shapes import load_shape
+
+    league = config(tmp_path, opponents="league", league={"size": 8})
+    plain = config(tmp_path, opponents="scripted:random", eval_opponents=["scripted:random"])
+    assert (league.kept_versions, plain.kept_versions) == (9, 0)
+    specs = [EngineSpec.from_config(c, tmp_path, "cpu") for c in (league, plain)]
+    assert specs[0].max_loras - specs[1].max_loras == 9 and specs[0].max_cpu_loras - specs[1].max_cpu_loras == 9
+    shape = load_shape("smollm2-135m")
+    slots = [next(i for i in generator_items(c, c.generator, shape, "cpu", "bfloat16", 24 << 30)[0]
+                  if i.name.startswith("LoRA slots")) for c in (league, plain)]
+    assert slots[0].bytes > slots[1].bytes and "max_loras" in slots[0].detail
