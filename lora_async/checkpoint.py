@@ -119,20 +119,25 @@ def save_frozen(folder: Path, versions: "Sequence[AdapterVersion]", previous: Pa
                   metadata={"peft_config": json.dumps(version.peft_config)})
 
 
-def load_frozen(path: Path) -> list["AdapterVersion"]:
-    """The kept versions a checkpoint holds (none for a run without a game's frozen opponents)."""
+def load_frozen(path: Path) -> tuple[list["AdapterVersion"], list[str]]:
+    """The kept versions a checkpoint holds (none for a run without a game's frozen opponents),
+    and a line for each file that could not be read (the run goes on without that version)."""
     from safetensors import safe_open
 
     from .adapter_version import AdapterVersion, parse_served_name
 
-    versions = []
+    versions, problems = [], []
     for file in sorted((path / FROZEN).glob("*.safetensors")):
-        adapter, number = parse_served_name(file.name.removesuffix(".safetensors"))
-        with safe_open(str(file), "pt") as handle:
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-            peft_config = json.loads((handle.metadata() or {}).get("peft_config", "{}"))
+        try:
+            adapter, number = parse_served_name(file.name.removesuffix(".safetensors"))
+            with safe_open(str(file), "pt") as handle:
+                tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+                peft_config = json.loads((handle.metadata() or {}).get("peft_config", "{}"))
+        except Exception as exc:
+            problems.append(f"{file}: {type(exc).__name__}: {exc}")
+            continue
         versions.append(AdapterVersion(adapter, number, tensors, peft_config))
-    return versions
+    return versions, problems
 
 
 def checkpoint_auto(path: Path) -> dict[str, Any] | None:

@@ -135,6 +135,12 @@ class League:
                 let_go.append(gone.version)
         return let_go
 
+    def drop(self, version: int) -> None:
+        """A kept version that cannot be served any more (a resumed run's engine refused it): out
+        of the pool, so no game draws it; its record stays in the history (an anchor stays the
+        anchor: held-out games against it are left out)."""
+        self._pool = [member for member in self._pool if member.version != version]
+
     @property
     def members(self) -> list[Member]:
         """The pool, oldest first (what training games draw from)."""

@@ -195,3 +195,19 @@ def test_the_engine_and_the_memory_plan_count_a_leagues_lora_slots(tmp_path):
     slots = [next(i for i in generator_items(c, c.generator, shape, "cpu", "bfloat16", 24 << 30)[0]
                   if i.name.startswith("LoRA slots")) for c in (league, plain)]
     assert slots[0].bytes > slots[1].bytes and "max_loras" in slots[0].detail
+
+
+def test_a_kept_opponent_that_cannot_be_read_again_is_left_out_and_the_run_goes_on(tmp_path):
+    cfg = config(tmp_path, opponents="league", league={"every": 2, "size": 3})
+    run(cfg, league_parts())
+    damaged = tmp_path / "out" / "checkpoints" / "step-000008" / "frozen" / "main@v4.safetensors"
+    damaged.unlink()  # hard-linked from the checkpoint before: a copy of its own, then damaged
+    damaged.write_bytes(b"not a safetensors file")
+    more = cfg.model_copy(update={"run": cfg.run.model_copy(update={"max_steps": 10, "eval_at_start": False})})
+    parts = league_parts()
+    summary = run(more, parts, resume=True)
+    assert summary["steps"] == 10
+    assert "publish main@v4" not in parts.events and ("main", 4) not in parts.fake_generator.kept
+    league = summary["league"]
+    assert [m["in_pool"] for m in league["members"] if m["version"] == 4] == [False]
+    assert all(r.version != 4 for r in parts.fake_generator.requests)  # never drawn again

@@ -18,6 +18,8 @@ import asyncio
 
 from ..adapter_version import AdapterVersion, served_name
 from ..errors import TrainingError
+from ..generator.validate import AdapterError
+from ..handoff import PackError
 from .state import AdapterRun, Run
 
 
@@ -68,8 +70,20 @@ async def keep_if_named(run: Run, adapter: AdapterRun, version: AdapterVersion) 
 
 
 async def publish_frozen(run: Run, versions: list[AdapterVersion]) -> None:
-    """A resumed run's kept versions, oldest first per adapter, each kept as it is registered."""
+    """A resumed run's kept versions, oldest first per adapter, each kept as it is registered. One
+    the engine refuses (damaged weights) is shown and left out: its league goes on without it,
+    and games that name it are left out of evaluations (a training opponent: `check_pinned`)."""
     for version in sorted(versions, key=lambda v: (v.adapter, v.version)):
-        await asyncio.to_thread(run.transport.publish, version)
+        try:
+            await asyncio.to_thread(run.transport.publish, version)
+        except (AdapterError, PackError) as exc:  # what `publish.deliver` counts as a refused version
+            run.console.print(f"[red]{version.served_name}, a kept opponent, was refused ({exc}); the run goes on "
+                              "without it[/]")
+            continue
         await asyncio.to_thread(run.generator.keep, version.adapter, version.version)
         run.frozen[(version.adapter, version.version)] = version
+    for adapter in run.adapters.values():  # a member not registered again (unreadable, refused) is drawn no more
+        league = adapter.source.league
+        for number in league.kept_versions() if league is not None else []:
+            if (adapter.name, number) not in run.frozen and league is not None:
+                league.drop(number)

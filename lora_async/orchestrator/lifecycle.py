@@ -180,7 +180,10 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
               window=window, choice=choice, auto=auto, board=board)
     if state is not None:
         restore(run, state)
-        run.restored_frozen = load_frozen(checkpoint_path) if checkpoint_path is not None else []
+        if checkpoint_path is not None:  # a game's kept opponents, published again first
+            run.restored_frozen, unread = load_frozen(checkpoint_path)
+            for line in unread:
+                console.print(f"[red]a kept opponent could not be read ({line}); the run goes on without it[/]")
     for adapter in adapters.values():
         run.metrics.set_completed(adapter.name, adapter.step)
     return run
