@@ -211,3 +211,66 @@ def test_a_kept_opponent_that_cannot_be_read_again_is_left_out_and_the_run_goes_
     league = summary["league"]
     assert [m["in_pool"] for m in league["members"] if m["version"] == 4] == [False]
     assert all(r.version != 4 for r in parts.fake_generator.requests)  # never drawn again
+
+
+GAMES = '''
+from lora_async.envs import user
+from lora_async.envs.game import Game, Move
+
+
+def flaky_player(game, seat, rng):
+    raise RuntimeError("the scripted player broke")
+
+
+class Coin(Game):
+    """Each seat says heads or tails once; the first seat wins on "take"; game `index` odd raises."""
+
+    seats = ("first", "second")
+    players = {"flaky": flaky_player}
+
+    def __init__(self, index):
+        self.index, self.moves = index, 0
+
+    def reset(self):
+        return {seat: [user(f"game {self.index}, you are {seat}")] for seat in self.seats}
+
+    def to_move(self):
+        return self.seats[self.moves % 2]
+
+    def step(self, seat, reply):
+        if self.index % 2:
+            raise RuntimeError("the game exploded")
+        self.moves += 1
+        if self.moves == 2:
+            won = "first" if reply.content.startswith("take") else "second"
+            return Move(done=True, rewards={won: 1.0}, winner=won)
+        return Move({"second": [user(f"they said {reply.content}")]})
+
+
+def make(index, split):
+    return Coin(index)
+'''
+
+
+@pytest.fixture
+def game_module(tmp_path, monkeypatch):
+    (tmp_path / "fake_games.py").write_text(GAMES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "fake_games:make"
+    import sys
+
+    sys.modules.pop("fake_games", None)
+
+
+def test_a_game_that_raises_or_a_scripted_player_that_raises_is_counted_and_the_run_goes_on(tmp_path, game_module):
+    cfg = config(tmp_path, env=game_module, opponents="self", eval_opponents=["scripted:flaky", "base"])
+    summary = run(cfg, league_parts())
+    assert summary["steps"] == 8 and summary["env_errors"] > 0 and summary["reward_errors"] > 0
+    evals = rows(cfg, "eval")
+    # every held-out game against the broken player, and every odd game, broke: counted, not results;
+    # the base's even games were played, and give the accuracy (the first opponent with games)
+    for e in evals:
+        assert e["vs_flaky/env_errors"] == 6 and "vs_flaky/win" not in e
+        assert e["vs_base/env_errors"] == 3 and e["vs_base/win"] + e["vs_base/draw"] + e["vs_base/loss"] == 1.0
+        assert e["accuracy"] == e["vs_base/win"]

@@ -188,11 +188,15 @@ class GameSource(EnvSource):
         own: list[Trajectory] = []
         first: list[float] = []
         for k, opponent in enumerate(self.eval_opponents):
-            games = [(r, i) for r, i in zip(played[k * len(indices):(k + 1) * len(indices)], indices)
-                     if isinstance(r, MatchRecord)]
+            records = [(r, i) for r, i in zip(played[k * len(indices):(k + 1) * len(indices)], indices)
+                       if isinstance(r, MatchRecord)]
+            broken = sum(r.outcome is Outcome.ENV_ERROR for r, _ in records)
+            if broken:  # the game's fault, not the adapter's: counted, not a result
+                extra[f"vs_{opponent.label}/env_errors"] = broken
+            games = [(r, i) for r, i in records if r.outcome is not Outcome.ENV_ERROR]
             if not games:
                 continue
-            mine = [r.results.get(self.seat_of(i), GameResult.LOSS) for r, i in games]
+            mine = [r.results[self.seat_of(i)] for r, i in games]
             for result in GameResult:
                 extra[f"vs_{opponent.label}/{result.value}"] = mine.count(result) / len(mine)
             first = first or [float(r.success(self.seat_of(i))) for r, i in games]

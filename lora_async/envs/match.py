@@ -102,7 +102,7 @@ class SeatPlay:
 @dataclass
 class MatchRecord:
     """A finished game: each model seat's trajectory (reward, outcome and `success` set), and
-    each seat's result."""
+    each seat's result (none for a game that broke: `env_error`)."""
 
     trajectories: dict[str, Trajectory]
     results: dict[str, GameResult]
@@ -144,6 +144,10 @@ class Match:
         try:
             with self.waits.timed(Wait.ENV):
                 openings = await call_env(self.game.reset, timeout_s=self.settings.env_timeout_s, what="reset")
+            unplayed = [seat for seat in self.game.seats if seat not in self.policies]
+            if unplayed:
+                raise EpisodeError(f"the game has seats {list(self.game.seats)}, not the ones it was set up with "
+                                   f"{list(self.policies)}: a game's seats must not change")
             seats = {seat: SeatPlay(self.policies[seat], self._opening(openings, seat)) for seat in self.game.seats}
             for replies in range(1, self.settings.max_turns * len(seats) + 1):
                 seat = await call_env(self.game.to_move, timeout_s=self.settings.env_timeout_s, what="to_move")
@@ -234,8 +238,9 @@ class Match:
         short is a draw at reward 0, a broken one scores 0 and trains nobody."""
         winner = move.winner if outcome is Outcome.DONE else None
         rewards = {seat: float(move.rewards.get(seat, 0.0)) for seat in seats}
-        results = {seat: GameResult.DRAW if winner is None else GameResult.WIN if seat == winner else GameResult.LOSS
-                   for seat in seats}
+        results = {} if outcome is Outcome.ENV_ERROR else {  # a broken game is no one's result
+            seat: GameResult.DRAW if winner is None else GameResult.WIN if seat == winner else GameResult.LOSS
+            for seat in seats}
         record = MatchRecord({}, results, outcome, rewards, winner, dict(move.info), error, replies)
         for seat, play in seats.items():
             traj = play.trajectory

@@ -56,7 +56,9 @@ async def keep_if_named(run: Run, adapter: AdapterRun, version: AdapterVersion) 
     league = adapter.source.league
     let_go: list[int] = []
     wanted = key in pinned_versions(run)
-    if league is not None and league.due(version.version) and version.version not in league.kept_versions():
+    # due; or a pool left empty (its kept versions could not be registered again on resume)
+    if (league is not None and (league.due(version.version) or not league.members)
+            and version.version not in league.kept_versions()):
         let_go = league.keep(version.version, adapter.step)
         wanted = True
     if wanted:
