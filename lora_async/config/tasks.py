@@ -236,10 +236,10 @@ class EnvTask(RewardFields):
 
     @property
     def kept_versions(self) -> int:
-        """Frozen versions a game keeps registered in the engine at most (LoRA slots beyond the
-        staleness window): the league's pool and its anchor, and each pinned `<adapter>@v<k>` (the
-        default held-out opponent `self@v0` counts one). A single-seat environment counts the
-        same one: which task is a game is known only once its factory runs."""
+        """Frozen versions this task keeps registered in the engine at most if it is a game (LoRA
+        slots beyond the staleness window): the league's pool and its anchor, and each pinned
+        `<adapter>@v<k>` (the default held-out opponent `self@v0` counts one). Whether it is a
+        game is known once its factory runs: `envs.games.kept_versions`."""
         league = self.league.size + 1 if self.opponents == "league" else 0
         named = [self.opponents, *(self.eval_opponents or ["self@v0"])]
         pinned = {o for o in named if "@v" in o} - ({"self@v0"} if league else set())

@@ -171,12 +171,6 @@ class TrainConfig(Section):
                                  f"which only generator.type = 'vllm' does so far (this config has "
                                  f"{self.generator.type!r})")
 
-    @property
-    def kept_versions(self) -> int:
-        """Frozen versions the engine keeps registered beyond the staleness window, every adapter's
-        at most (`EnvTask.kept_versions`): LoRA slots of their own."""
-        return sum(spec.task.kept_versions for spec in self.adapter_specs if isinstance(spec.task, EnvTask))
-
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # A dump must load back to the same run: a fleet's defaulted [adapter]/[task] would clash.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..buffer import Group, TrainSample, group_advantages
 from ..generator.types import GenStatus
@@ -34,6 +34,9 @@ from .episode import EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, 
 from .game import check_game, is_game
 from .match import Kind, Match, MatchRecord, Opponent, SeatPolicy
 from .source import MIN_EPISODES, EnvLoadError, EnvSource, load_object, transcript
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
 
 
 class GameSource(EnvSource):
@@ -236,3 +239,11 @@ def is_game_task(config: EnvTask, where: str) -> bool:
         raise EnvLoadError(f"{task}.{stray[0]}: {config.env} is a single-seat environment; only a game (one "
                            "with seats, lora_async.envs.game.Game) has seats and opponents")
     return game
+
+
+def kept_versions(config: "TrainConfig") -> int:
+    """Frozen versions a run's games keep registered beyond the staleness window, at most: LoRA
+    slots of their own (`EngineSpec.kept`). Each game task's `EnvTask.kept_versions`; a
+    single-seat environment keeps none (finding out calls its factory once, as loading it does)."""
+    return sum(spec.task.kept_versions for spec in config.adapter_specs
+               if isinstance(spec.task, EnvTask) and is_game_task(spec.task, f"{spec.task_path}.env"))

@@ -44,6 +44,7 @@ class EngineSpec:
         `device`; evaluation engines override the adapters, the staleness window, the rank and
         the process."""
         from ..dtypes import resolve_dtype
+        from ..envs.games import kept_versions
 
         gen = config.engine_settings
         if gen is None:
@@ -59,7 +60,7 @@ class EngineSpec:
             engine_log=config.run.engine_log,
             separate_process=gen.engine_home == "separate" if separate_process is None else separate_process,
             block_size=gen.block_size, max_batched_tokens=gen.max_batched_tokens, quantization=gen.quantization,
-            kept=config.kept_versions,
+            kept=kept_versions(config),
         )
 
     @property

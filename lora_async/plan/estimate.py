@@ -193,6 +193,7 @@ def union_targets(config: "TrainConfig") -> set[str]:
 def generator_items(config: "TrainConfig", gen: "VllmGeneratorConfig", shape: ModelShape, device: str, dtype: str,
                     capacity: int) -> tuple[list[Item], list[str], int]:
     """The vLLM engine `gen` (the run's `[generator]`): (items, problems, KV-cache tokens)."""
+    from ..envs.games import kept_versions
     from ..generator.spec import DEFAULT_MAX_NUM_SEQS, EngineSpec
 
     b = BYTES_BY_DTYPE_NAME[dtype]
@@ -206,7 +207,7 @@ def generator_items(config: "TrainConfig", gen: "VllmGeneratorConfig", shape: Mo
         items = [Item(part, f"base weights, {dtype}", weights,
                       f"learner's {config.model.quantization}, dequantised" if learners else "unquantised")]
     spec = EngineSpec(Path("."), tuple(config.adapter_names), config.buffer.window, config.max_lora_rank,
-                      kept=config.kept_versions)  # a game's frozen opponents: slots of their own
+                      kept=kept_versions(config))  # a game's frozen opponents: slots of their own
     # vLLM sizes a slot for every linear layer it can adapt, at max_lora_rank, in the model dtype.
     slot = shape.lora_params(spec.max_lora_rank, "all-linear") * b
     slots = spec.max_loras + (spec.max_cpu_loras if device == "cpu" else 0)
