@@ -192,7 +192,7 @@ def test_the_engine_and_the_memory_plan_count_a_leagues_lora_slots(tmp_path):
 
     guess = config(tmp_path, env="lora_async.envs.builtin.guess:make")  # single-seat: keeps none
     assert [kept_versions(c) for c in (league, plain, guess)] == [9, 0, 0]
-    specs = [EngineSpec.from_config(c, tmp_path, "cpu") for c in (league, plain)]
+    specs = [EngineSpec.from_config(c, tmp_path, "cpu", kept=kept_versions(c)) for c in (league, plain)]
     assert specs[0].max_loras - specs[1].max_loras == 9 and specs[0].max_cpu_loras - specs[1].max_cpu_loras == 9
     shape = load_shape("smollm2-135m")
     slots = [next(i for i in generator_items(c, c.generator, shape, "cpu", "bfloat16", 24 << 30)[0]

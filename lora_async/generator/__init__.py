@@ -36,12 +36,13 @@ RunGenerator = Union[Generator[EngineReceiver], Generator[ServerReceiver], Gener
 
 
 def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement",
-                   base: LearnerBase | None = None) -> RunGenerator:
+                   base: LearnerBase | None = None, kept: int = 0) -> RunGenerator:
     """The generator `[generator]` names: an engine of our own ("vllm"), remote servers ("server"),
     or engine replicas on Ray ("ray"), serving `model_dir`. `base`: when the run serves the
     learner's dequantised base, its recipe and what builds it (`types.LearnerBase`): a Ray replica
     on a node without `model_dir` builds it there; servers cannot build it, so they are checked to
-    serve it."""
+    serve it. `kept`: the frozen versions the run's games keep registered (an engine of our own's
+    LoRA slots)."""
     from ..config import RayGeneratorConfig, ServerGeneratorConfig, VllmGeneratorConfig
 
     gen = config.generator
@@ -51,7 +52,7 @@ def make_generator(config: "TrainConfig", model_dir: Path, placement: "Placement
             from .engine import EngineSpec, VllmGenerator
 
             with stage(f"starting the vLLM engine ({placement.device})"):
-                return VllmGenerator(EngineSpec.from_config(config, model_dir, placement.device), placement)
+                return VllmGenerator(EngineSpec.from_config(config, model_dir, placement.device, kept=kept), placement)
         case ServerGeneratorConfig():
             from .server import ServerGenerator
 

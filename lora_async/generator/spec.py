@@ -39,12 +39,12 @@ class EngineSpec:
     @classmethod
     def from_config(cls, config: "TrainConfig", model_dir: Path, device: str, *,
                     adapters: tuple[str, ...] | None = None, window: StalenessWindow | None = None,
-                    max_lora_rank: int | None = None, separate_process: bool | None = None) -> "EngineSpec":
+                    max_lora_rank: int | None = None, separate_process: bool | None = None,
+                    kept: int = 0) -> "EngineSpec":
         """The engine a run's `[generator]` (type "vllm", or each "ray" replica's) describes on
         `device`; evaluation engines override the adapters, the staleness window, the rank and
-        the process."""
+        the process. `kept`: the frozen versions the run's games keep (`envs.games.kept_versions`)."""
         from ..dtypes import resolve_dtype
-        from ..envs.games import kept_versions
 
         gen = config.engine_settings
         if gen is None:
@@ -60,7 +60,7 @@ class EngineSpec:
             engine_log=config.run.engine_log,
             separate_process=gen.engine_home == "separate" if separate_process is None else separate_process,
             block_size=gen.block_size, max_batched_tokens=gen.max_batched_tokens, quantization=gen.quantization,
-            kept=kept_versions(config),
+            kept=kept,
         )
 
     @property

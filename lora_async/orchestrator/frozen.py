@@ -18,6 +18,7 @@ import asyncio
 
 from ..adapter_version import AdapterVersion, served_name
 from ..errors import TrainingError
+from ..generator.types import CannotKeep
 from ..generator.validate import AdapterError
 from ..handoff import PackError
 from .state import AdapterRun, Run
@@ -62,7 +63,11 @@ async def keep_if_named(run: Run, adapter: AdapterRun, version: AdapterVersion) 
         let_go = league.keep(version.version, adapter.step)
         wanted = True
     if wanted:
-        await asyncio.to_thread(run.generator.keep, adapter.name, version.version)
+        try:
+            await asyncio.to_thread(run.generator.keep, adapter.name, version.version)
+        except CannotKeep as exc:  # a held-out opponent on servers or Ray (the config refuses a training one)
+            run.console.print(f"[yellow]{exc}: held-out games against it are left out[/]")
+            return
         run.frozen[key] = version
     pins = pinned_versions(run)
     for old in let_go:

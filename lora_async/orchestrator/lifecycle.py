@@ -94,12 +94,13 @@ class LocalParts:
         return AutoTokenizer.from_pretrained(self.model_dir)
 
     def generator(self) -> RunGenerator:
+        from ..envs.games import kept_versions
         from ..generator import make_generator
         from ..learner.served_base import BaseBuilder
 
         recipe = self.base_recipe
         return make_generator(self.config, self.base_dir, self.generator_placement,
-                              None if recipe is None else BaseBuilder(recipe))
+                              None if recipe is None else BaseBuilder(recipe), kept=kept_versions(self.config))
 
     def transport(self, generator: RunGenerator) -> Transport:
         from ..sync.factory import make_transport
