@@ -1,16 +1,21 @@
 """Self-play through the real CLI and the vLLM engine on a tiny model: Nim against a league of
-past versions kept registered in one engine, held-out win rates, a resumed run that publishes its
-kept versions again, and `lora-async eval` on a saved adapter."""
+past versions kept registered in one engine, held-out win rates, a killed run resumed with the
+same pool and the same ratings, and `lora-async eval` on a saved adapter."""
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from lora_async.league import League, league_line
 from lora_async.metrics import read_metrics
 
+from .helpers import WHOLE_RUN_TIMEOUT_S, wait_for_run
 from .test_env_train import REPO, run_cli, two_steps_of
 
 pytestmark = pytest.mark.slow
@@ -19,7 +24,15 @@ NIM = REPO / "examples" / "nim.toml"
 LEAGUE = ("task.league.every=1", "task.league.size=2", "run.checkpoint_every=2", "task.max_turns=3")
 
 
-def test_nim_against_a_league_of_past_versions_and_resumed(tmp_path, tiny_model):
+def settings(model: Path, out: Path, steps: int) -> list[str]:
+    """`--set` arguments of a small Nim run against a league (as `two_steps_of` sets them)."""
+    pairs = [f"model.name={model}", "generator.kv_cache_gb=0.25", f"run.max_steps={steps}", f"run.output_dir={out}",
+             "run.time_budget_s=600", "task.heldout=4", "sampling.samples_per_prompt=4", "learner.groups_per_step=2",
+             "run.eval_every=0", "run.progress=false", *LEAGUE]
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
+def test_nim_against_a_league_of_past_versions(tmp_path, tiny_model):
     out = tmp_path / "nim"
     steps, evals, summary = two_steps_of(NIM, tiny_model, out, *LEAGUE)
     assert all(r["league_size"] >= 1 and "league_elo" in r for r in steps)
@@ -33,20 +46,6 @@ def test_nim_against_a_league_of_past_versions_and_resumed(tmp_path, tiny_model)
         assert e["accuracy"] == e["vs_self_v0/win"]
     frozen = sorted(p.name for p in (out / "checkpoints" / "step-000002" / "frozen").iterdir())
     assert frozen == ["main@v0.safetensors", "main@v1.safetensors", "main@v2.safetensors"]
-
-    resumed = run_cli(["train", str(NIM), "--resume", "--set", f"model.name={tiny_model}",
-                       "--set", "generator.kv_cache_gb=0.25", "--set", "run.max_steps=3", "--set", f"run.output_dir={out}",
-                       "--set", "task.heldout=4", "--set", "sampling.samples_per_prompt=4", "--set", "run.eval_every=0",
-                       "--set", "learner.groups_per_step=2", "--set", "run.progress=false",
-                       *[arg for setting in LEAGUE for arg in ("--set", setting)]])
-    assert resumed.exit_code == 0, resumed.output
-    after = json.loads((out / "summary.json").read_text())["league"]
-    # the pool went on from where the checkpoint left it: the members it held, then v3
-    assert [m["version"] for m in after["members"]] == [0, 1, 2, 3] and after["anchor"] == 0
-    assert [m for m in after["members"] if m["version"] == 0][0]["elo"] == league["members"][0]["elo"]
-    rows = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
-    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["league_games"] > rows[1]["league_games"]
-
     # a saved adapter scored on its own: the opponents that need no version of the run
     scored = run_cli(["eval", str(NIM), "--set", f"model.name={tiny_model}", "--set", "generator.kv_cache_gb=0.25",
                       "--adapter", str(out / "adapters" / "main" / "final"), "--limit", "2", "--json"])
@@ -54,3 +53,33 @@ def test_nim_against_a_league_of_past_versions_and_resumed(tmp_path, tiny_model)
     report = json.loads(scored.output[scored.output.index("{"):])
     for result in report["results"]:
         assert "vs_random/win" in result and "vs_self_v0/win" not in result
+
+
+def test_a_killed_league_run_resumes_with_the_same_pool_and_ratings(tmp_path, tiny_model):
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "lora_async", "train", str(NIM)]
+    proc = subprocess.Popen(cmd + settings(tiny_model, out, 8), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+
+    def past_the_checkpoint() -> bool:
+        """Step 3 trained: past the checkpoint of step 2, whose league the resume must take."""
+        path = out / "metrics.jsonl"
+        return path.is_file() and any(r.get("step") == 3 and "kind" not in r for r in read_metrics(path))
+
+    try:
+        wait_for_run(proc, past_the_checkpoint, "step 3")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    checkpoint = out / "checkpoints" / "step-000002"
+    saved = json.loads((checkpoint / "state.json").read_text())["leagues"]["main"]
+    done = subprocess.run(cmd + ["--resume"] + settings(tiny_model, out, 4), cwd=REPO, capture_output=True,
+                          text=True, timeout=WHOLE_RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the same pool and the same ratings, as the checkpoint holds them, before any game is played
+    said = " ".join((done.stdout + done.stderr).split())
+    assert f"main: league as checkpointed: {league_line(League.from_state(saved).summary())}" in said, said[-3000:]
+    after = json.loads((out / "summary.json").read_text())["league"]
+    assert [m["version"] for m in after["members"]] == [0, 1, 2, 3, 4] and after["anchor"] == 0
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[2]["league_games"] > rows[1]["league_games"]

@@ -31,6 +31,7 @@ from ..sync.transports import Transport
 from ..tasks import make_source
 from ..timing import TimeBoard
 from ..tokenizer import Tokenizer
+from ..league import league_line
 from ..trackers import Trackers, run_info
 from .admission import Admission
 from .auto import start_mode, start_window
@@ -157,7 +158,7 @@ async def setup_run(config: TrainConfig, resume: bool, console: Console, parts: 
         state = None
         if checkpoint_path is not None:  # the learner's state now; the metrics file before it is opened
             state = await asyncio.get_running_loop().run_in_executor(pool, load_checkpoint, checkpoint_path, learner)
-            restore_leagues(adapters, state)
+            restore_leagues(adapters, state, console)
             kept = truncate_metrics(out_dir / "metrics.jsonl", state.steps)
             versions = ", ".join(f"{n} v{learner.version(n)}" for n in adapters)
             console.print(f"resumed from {checkpoint_path.name}: step {state.step} ({versions}), "
@@ -199,15 +200,16 @@ def restore(run: Run, state: RunState) -> None:
         adapter.counters = Counters.from_dict(state.counters.get(name, {}))
 
 
-def restore_leagues(adapters: dict[str, AdapterRun], state: RunState) -> None:
-    """Each game's league as the checkpoint left it: the same pool, the same ratings."""
+def restore_leagues(adapters: dict[str, AdapterRun], state: RunState, console: Console) -> None:
+    """Each game's league as the checkpoint left it: the same pool, the same ratings (said)."""
     for name, adapter in adapters.items():
-        saved = (state.leagues or {}).get(name)
-        if adapter.source.league is not None and saved is not None:
+        saved, league = (state.leagues or {}).get(name), adapter.source.league
+        if league is not None and saved is not None:
             try:
-                adapter.source.league.restore(saved)
+                league.restore(saved)
             except ValueError as exc:
                 raise TrainingError(str(exc)) from None
+            console.print(f"{name}: league as checkpointed: {league_line(league.summary())}", highlight=False)
 
 
 class StopSwitch:
