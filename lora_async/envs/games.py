@@ -120,7 +120,10 @@ class GameSource(EnvSource):
             raise unexpected[0]
         games = [p for p in played if isinstance(p, MatchRecord)]
         trained = [t for g in games for seat, t in g.trajectories.items() if policies[seat].trained]
-        stats = EpisodeStats.of(trained)
+        # a game that broke before a trained seat replied has no trajectory of it: counted all the same
+        unplayed = [Trajectory([], outcome=Outcome.ENV_ERROR, error=g.error) for g in games
+                    if g.outcome is Outcome.ENV_ERROR and not any(policies[s].trained for s in g.trajectories)]
+        stats = EpisodeStats.of(trained + unplayed)
         broken = next((g for g in games if g.outcome is Outcome.ENV_ERROR), None)
         fault = None if broken is None else ("the game failed (it scores 0 and is not trained on; counted as "
                                              f"env_errors): {broken.error}")
