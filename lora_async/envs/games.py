@@ -194,8 +194,10 @@ class GameSource(EnvSource):
         own: list[Trajectory] = []
         first: list[float] = []
         for k, opponent in enumerate(self.eval_opponents):
-            records = [(r, i) for r, i in zip(played[k * len(indices):(k + 1) * len(indices)], indices)
-                       if isinstance(r, MatchRecord)]
+            mine_played = played[k * len(indices):(k + 1) * len(indices)]
+            if any(r is None for r in mine_played):  # not served here: every game of it left out, or none
+                continue
+            records = [(r, i) for r, i in zip(mine_played, indices) if isinstance(r, MatchRecord)]
             broken = sum(r.outcome is Outcome.ENV_ERROR for r, _ in records)
             if broken:  # the game's fault, not the adapter's: counted, not a result
                 extra[f"vs_{opponent.label}/env_errors"] = broken
@@ -212,7 +214,7 @@ class GameSource(EnvSource):
         return EvalResult(adapter=adapter, version=max(versions) if adapter is not None and versions else None,
                           accuracy=sum(first) / len(first) if first else 0.0,
                           mean_reward=sum(t.reward for t in own) / len(own) if own else 0.0,
-                          n=sum(isinstance(p, MatchRecord) for p in played),
+                          n=len(first),
                           examples=[transcript(t) for t in own[:3]], extra={**extra, **stats.eval_figures()})
 
     async def opening_ids(self, index: int, split: Split, tokenizer: Tokenizer) -> list[int] | None:
