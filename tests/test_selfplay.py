@@ -277,3 +277,22 @@ def test_a_game_that_raises_or_a_scripted_player_that_raises_is_counted_and_the_
         assert e["vs_flaky/env_errors"] == 6 and "vs_flaky/win" not in e
         assert e["vs_base/env_errors"] == 3 and e["vs_base/win"] + e["vs_base/draw"] + e["vs_base/loss"] == 1.0
         assert e["accuracy"] == e["vs_base/win"]
+
+
+def test_a_two_player_textarena_game_trains_against_past_versions(tmp_path, monkeypatch):
+    """examples/textarena_env.py's TextArenaMatch (TicTacToe) in the loop: each seat sees what
+    textarena addresses to its player, and the games end with textarena's rewards."""
+    pytest.importorskip("textarena")
+    REPO = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(REPO)  # `examples.textarena_env` is imported from the repository root
+    monkeypatch.syspath_prepend(str(REPO))
+    cfg = config(tmp_path, env="examples.textarena_env:two_player", max_turns=8, opponents="league",
+                 league={"every": 2, "size": 2})
+
+    def squares(request: GenRequest, rng: random.Random) -> str:
+        return f"[{rng.randint(0, 8)}]"
+
+    summary = run(cfg, FakeParts(["main"], gen_delay=lambda: 0.01, step_s=0.05, reply=squares))
+    assert summary["steps"] == 8 and summary["env_errors"] == 0 and summary["league"]["games"] > 0
+    evals = rows(cfg, "eval")
+    assert all(abs(e["vs_self_v0/win"] + e["vs_self_v0/draw"] + e["vs_self_v0/loss"] - 1.0) < 1e-9 for e in evals)
