@@ -142,7 +142,7 @@ def test_an_invalid_move_loses_at_once(heaps, before, text, reason):
     left = list(game.heaps)
     end = game.step(mover, reply(text))
     assert end.done and end.winner == other(mover) and end.messages == {}
-    assert end.rewards == {mover: 0.0, other(mover): 1.0}
+    assert end.rewards == {mover: -1.0, other(mover): 1.0}  # costs more than a game lost by play
     assert end.info["invalid"] == mover and reason in end.info["reason"] and end.info["moves"] == len(before)
     assert game.heaps == left
     with pytest.raises(ValueError, match="over"):

@@ -27,6 +27,10 @@ MIN_HEAPS, MAX_HEAPS = 2, 3
 MAX_HEAP = 4  # objects in a heap at most: a game of a few moves, learnable by a tiny model in minutes
 EXPERT_SKILL = 0.7  # the share of the "expert" player's moves that are optimal; the rest are random
 WIN, LOSS = 1.0, 0.0
+# A move the game cannot play loses, and costs more than a game lost by play: a learner is pushed
+# to legal moves first. (At 0, a policy that repeats one move until its heap is empty loses no
+# more than one that plays on, and self-play settled there: bench/RESULTS.md section 24.)
+INVALID = -1.0
 INTEGER = re.compile(r"-?\d+")
 # A heap letter standing alone ("B", "heap B", "B=2", "2B"), not inside a word ("Bob", "cab").
 HEAP = re.compile(r"(?<![A-Za-z])([A-Ca-c])(?![A-Za-z])")
@@ -34,9 +38,10 @@ RULES = ("Let's play Nim. On your turn, take 1 or more objects from one heap. Wh
          "object wins. Reply with only your move, like: take 2 from B")
 # One finished game in every opening: without it the base model answers the rules with prose and
 # never a move (no reward to learn from). Short, because every turn re-reads the whole context.
+# Its moves vary the heap and the count, so that the base model does not learn one move from it.
 EXAMPLE_GAME: tuple[Message, ...] = (
-    user(f"{RULES}\nHeaps: A=2 B=1. Your move."), {"role": "assistant", "content": "take 1 from A"},
-    user("Your opponent took 1 from B. Heaps: A=1 B=0. Your move."), {"role": "assistant", "content": "take 1 from A"},
+    user(f"{RULES}\nHeaps: A=1 B=3. Your move."), {"role": "assistant", "content": "take 2 from B"},
+    user("Your opponent took 1 from A. Heaps: A=0 B=1. Your move."), {"role": "assistant", "content": "take 1 from B"},
     user("You took the last object. You win!"),
 )
 
@@ -132,7 +137,7 @@ class Nim(Game):
         reason = self._invalid(move)
         if reason is not None or move is None:
             self.done = True
-            return Move(done=True, rewards={seat: LOSS, other: WIN}, winner=other,
+            return Move(done=True, rewards={seat: INVALID, other: WIN}, winner=other,
                         info={"moves": self.moves, "invalid": seat, "reason": reason})
         letter, count = move
         self.heaps[HEAP_NAMES.index(letter)] -= count
