@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4, help="replies per seat (single: twice this, one seat)")
     parser.add_argument("--reply", type=int, default=8, help="tokens per reply (min = max)")
     parser.add_argument("--message", type=int, default=12, help="tokens the game adds after each reply")
+    parser.add_argument("--opening", type=int, default=150, help="tokens of each seat's opening (the rules)")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = parser.parse_args()
 
@@ -101,7 +102,7 @@ def main() -> None:
     spec = EngineSpec(model_dir=model_dir, adapters=("main",), window=StalenessWindow(1), max_lora_rank=8,
                       dtype=resolve_dtype("auto", "cpu"), kv_cache_gb=1.0, max_model_len=1024, block_size=32,
                       kept=POOL + 1)
-    opening = list(range(1000, 1150))  # an opening of 150 tokens (rules and an example game)
+    opening = list(range(1000, 1000 + args.opening))  # the rules and an example game
     message = list(range(2000, 2000 + args.message))
     process = psutil.Process()
     figures: dict[str, list[float]] = {arm: [] for arm in ARMS}

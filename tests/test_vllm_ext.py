@@ -89,11 +89,13 @@ def test_compat_check_detects_changed_hotswap_internals(monkeypatch):
 
 @pytest.mark.parametrize("op", ["shrink", "expand", "expand_slice"])
 @pytest.mark.parametrize("pattern", ["single", "mixed", "with_base"])
-def test_grouped_cpu_lora_ops_equal_vllms(op, pattern):
+@pytest.mark.parametrize("tokens", [37, 100])  # a few tokens: one gathered batched matmul; more: a matmul per slot
+def test_grouped_cpu_lora_ops_equal_vllms(op, pattern, tokens):
     from vllm.lora.ops import torch_ops as ref
 
+    assert 37 <= cpu_lora_ops.GATHER_MAX_TOKENS < 100
     torch.manual_seed(0)
-    tokens, slots, rank, width = 37, 4, 8, 96
+    slots, rank, width = 4, 8, 96
     indices = {"single": torch.full((tokens,), 2), "mixed": torch.randint(0, slots, (tokens,)),
                "with_base": torch.randint(-1, slots, (tokens,))}[pattern]
     if op == "shrink":

@@ -17,8 +17,17 @@ from typing import Any
 from . import compat
 
 
+# At most this many tokens, a batch of several adapters gathers each token's weights and runs one
+# batched matmul (vLLM's way) instead of one matmul per adapter: a decode step of a league's games
+# holds a token or two of each of 9 versions, and 9 small matmuls with their index bookkeeping cost
+# more than the gather (bench/RESULTS.md section 24). Above it (prefill), the gather's copy of the
+# weights per token would cost more than the loop.
+GATHER_MAX_TOKENS = 64
+
+
 def _grouped_matmul(inputs: Any, weights: Any, indices: Any, dtype: Any) -> Any:
-    """out[t] = inputs[t] @ weights[indices[t]].T, one matmul per distinct index."""
+    """out[t] = inputs[t] @ weights[indices[t]].T, one matmul per distinct index (a few tokens of
+    several adapters: one batched matmul over each token's gathered weights)."""
     import torch
 
     stacked = weights.squeeze(1) if weights.dim() == 4 else weights
@@ -26,6 +35,8 @@ def _grouped_matmul(inputs: Any, weights: Any, indices: Any, dtype: Any) -> Any:
     distinct = torch.unique(indices)
     if distinct.numel() == 1:
         return x @ stacked[int(distinct)].to(dtype).T
+    if x.shape[0] <= GATHER_MAX_TOKENS:
+        return torch.bmm(x.unsqueeze(1), stacked[indices].to(dtype).transpose(1, 2)).squeeze(1)
     out = x.new_empty(x.shape[0], stacked.shape[1])
     for slot in distinct.tolist():
         rows = (indices == slot).nonzero().squeeze(1)
