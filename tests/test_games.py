@@ -98,7 +98,7 @@ def test_the_seat_that_takes_the_last_object_wins():
     move = game.step("first", reply("take 2 from B"))
     assert not move.done and game.heaps == [1, 0]
     assert move.messages == {"second": [{"role": "user", "content":
-                                         "Your opponent took 2 from B. Heaps: A=1 B=0. Your move."}]}
+                                         "Your opponent took 2 from B. Heaps: A=1 B=0. Your move: take 1 from A."}]}
     assert game.to_move() == "second"
     end = game.step("second", reply("take 1 from A", 1))
     assert end.done and end.winner == "second" and end.rewards == {"second": 1.0, "first": 0.0}
@@ -163,7 +163,7 @@ def test_each_seat_opens_with_the_example_and_its_own_situation():
         assert [m["role"] for m in messages[:5]] == ["user", "assistant", "user", "assistant", "user"]
         assert all(parse_move(m["content"]) for m in messages if m["role"] == "assistant")
     first, second = openings["first"][-1]["content"], openings["second"][-1]["content"]
-    assert "Heaps: A=3 B=1 C=2." in first and first.endswith("Your move.")
+    assert "Heaps: A=3 B=1 C=2." in first and first.endswith("Your move: take 1 to 3 from A or 1 from B or 1 to 2 from C.")
     assert "Heaps: A=3 B=1 C=2." in second and "opponent moves first" in second and "Your move" not in second
     openings["first"][0]["content"] = "changed"  # a runner that edits its copy leaves the next game alone
     assert Nim([1, 1]).reset()["first"][0]["content"] != "changed"

@@ -36,14 +36,6 @@ INTEGER = re.compile(r"-?\d+")
 HEAP = re.compile(r"(?<![A-Za-z])([A-Ca-c])(?![A-Za-z])")
 RULES = ("Let's play Nim. On your turn, take 1 or more objects from one heap. Whoever takes the last "
          "object wins. Reply with only your move, like: take 2 from B")
-# One finished game in every opening: without it the base model answers the rules with prose and
-# never a move (no reward to learn from). Short, because every turn re-reads the whole context.
-# Its moves vary the heap and the count, so that the base model does not learn one move from it.
-EXAMPLE_GAME: tuple[Message, ...] = (
-    user(f"{RULES}\nHeaps: A=1 B=3. Your move."), {"role": "assistant", "content": "take 2 from B"},
-    user("Your opponent took 1 from A. Heaps: A=0 B=1. Your move."), {"role": "assistant", "content": "take 1 from B"},
-    user("You took the last object. You win!"),
-)
 
 
 def nim_sum(heaps: list[int]) -> int:
@@ -65,6 +57,25 @@ def format_move(heap: int, count: int) -> str:
 
 def format_heaps(heaps: list[int]) -> str:
     return " ".join(f"{HEAP_NAMES[i]}={size}" for i, size in enumerate(heaps))
+
+
+def your_move(heaps: list[int]) -> str:
+    """The prompt to move, with the moves the heaps allow: a small model that reads its options
+    plays legal moves in positions its own past versions never led it to (a random player's)."""
+    options = " or ".join(f"1 from {HEAP_NAMES[i]}" if size == 1 else f"1 to {size} from {HEAP_NAMES[i]}"
+                          for i, size in enumerate(heaps) if size)
+    return f"Your move: take {options}."
+
+
+# One finished game in every opening: without it the base model answers the rules with prose and
+# never a move (no reward to learn from). Short, because every turn re-reads the whole context.
+# Its moves vary the heap and the count, so that the base model does not learn one move from it.
+EXAMPLE_GAME: tuple[Message, ...] = (
+    user(f"{RULES}\nHeaps: A=1 B=3. {your_move([1, 3])}"), {"role": "assistant", "content": "take 2 from B"},
+    user(f"Your opponent took 1 from A. Heaps: A=0 B=1. {your_move([0, 1])}"),
+    {"role": "assistant", "content": "take 1 from B"},
+    user("You took the last object. You win!"),
+)
 
 
 def parse_move(text: str) -> tuple[str, int] | None:
@@ -119,7 +130,7 @@ class Nim(Game):
 
     def reset(self) -> dict[str, list[Message]]:
         heaps = f"Heaps: {format_heaps(self.heaps)}."
-        situation = {"first": f"New game. {heaps} You move first. Your move.",
+        situation = {"first": f"New game. {heaps} You move first. {your_move(self.heaps)}",
                      "second": f"New game. {heaps} Your opponent moves first."}
         # copies: a runner may extend a seat's messages in place, and the example is shared
         return {seat: [dict(m) for m in EXAMPLE_GAME] + [user(situation[seat])] for seat in self.seats}
@@ -146,7 +157,7 @@ class Nim(Game):
             self.done = True
             return Move(done=True, rewards={seat: WIN, other: LOSS}, winner=seat,
                         info={"moves": self.moves, "invalid": None})
-        told = f"Your opponent took {count} from {letter}. Heaps: {format_heaps(self.heaps)}. Your move."
+        told = f"Your opponent took {count} from {letter}. Heaps: {format_heaps(self.heaps)}. {your_move(self.heaps)}"
         return Move({other: [user(told)]})
 
     def _invalid(self, move: tuple[str, int] | None) -> str | None:
