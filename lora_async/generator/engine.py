@@ -61,8 +61,7 @@ class _Pending:
 
 @dataclass
 class _Command:
-    """Work for the engine thread. `future` gets the result (or the error); `refuse` runs instead
-    when the engine is dead or closing."""
+    """Work for the engine thread; `future` gets its result or error, `refuse` runs if the engine is dead or closing."""
 
     run: Callable[[], Any]
     future: Future[Any] | None = None
@@ -126,8 +125,7 @@ class VllmGenerator:
 
     def let_go(self, adapter: str, version: int) -> None:
         def let_go() -> None:
-            live = self.registry.let_go(adapter, version)
-            if live is not None:
+            if (live := self.registry.let_go(adapter, version)) is not None:
                 self._retire(live)
 
         self._call(let_go)
@@ -152,9 +150,8 @@ class VllmGenerator:
         return self.register(Delivery(adapter, version, size, "peft-dir", load, path=str(path)))
 
     def retire_adapter(self, adapter: str) -> list[str]:
-        """Remove every version of `adapter` from the engine, aborting what still runs on them: a
-        run that ends on an engine others go on using (`lora-async bench staleness`). Its version
-        numbers stay taken: the name is never served again with older numbers."""
+        """Remove every version of `adapter`, aborting what runs on them (a run ending on an engine
+        others use: `lora-async bench staleness`); its numbers stay taken, never served again."""
         return self._call(lambda: self._retire_adapter(adapter))
 
     def engine_lora_ids(self) -> list[int]:
