@@ -87,36 +87,108 @@ def test_compat_check_detects_changed_hotswap_internals(monkeypatch):
     assert "RowParallelLinearWithLoRA.set_lora is now" in str(caught.value)
 
 
+def _op_inputs(op, indices, slots=4, rank=8, width=96):
+    tokens = indices.shape[0]
+    if op == "shrink":
+        return (torch.randn(tokens, width, dtype=torch.bfloat16),
+                torch.randn(slots, 1, rank, width, dtype=torch.bfloat16), torch.zeros(tokens, rank))
+    return (torch.randn(tokens, rank), torch.randn(slots, 1, width, rank, dtype=torch.bfloat16),
+            torch.randn(tokens, width + 16, dtype=torch.bfloat16))
+
+
+def _run_op(ops, op, x, w, out, indices):
+    out = out.clone()
+    if op == "shrink":
+        ops.bgmv_shrink(x, w, out, indices, 0.5)
+    elif op == "expand":
+        ops.bgmv_expand(x, w, out, indices, True)
+    else:
+        ops.bgmv_expand_slice(x, w, out, indices, 8, w.shape[2], True)
+    return out
+
+
 @pytest.mark.parametrize("op", ["shrink", "expand", "expand_slice"])
 @pytest.mark.parametrize("pattern", ["single", "mixed", "with_base"])
-@pytest.mark.parametrize("tokens", [37, 100])  # a few tokens: one gathered batched matmul; more: a matmul per slot
+@pytest.mark.parametrize("tokens", [37, 4000])  # a few tokens: one GEMM over every slot; many: a matmul per slot
 def test_grouped_cpu_lora_ops_equal_vllms(op, pattern, tokens):
     from vllm.lora.ops import torch_ops as ref
 
-    assert 37 <= cpu_lora_ops.GATHER_MAX_TOKENS < 100
     torch.manual_seed(0)
-    slots, rank, width = 4, 8, 96
+    slots = 4
+    assert 37 * slots <= cpu_lora_ops.ALL_SLOTS_MAX_WORK < 4000 * slots
     indices = {"single": torch.full((tokens,), 2), "mixed": torch.randint(0, slots, (tokens,)),
                "with_base": torch.randint(-1, slots, (tokens,))}[pattern]
-    if op == "shrink":
-        x = torch.randn(tokens, width, dtype=torch.bfloat16)
-        w = torch.randn(slots, 1, rank, width, dtype=torch.bfloat16)
-        out_ref = torch.zeros(tokens, rank)
-        out_new = out_ref.clone()
-        ref.bgmv_shrink(x, w, out_ref, indices, 0.5)
-        cpu_lora_ops.bgmv_shrink(x, w, out_new, indices, 0.5)
-    else:
-        x = torch.randn(tokens, rank)
-        w = torch.randn(slots, 1, width, rank, dtype=torch.bfloat16)
-        out_ref = torch.randn(tokens, width + 16, dtype=torch.bfloat16)
-        out_new = out_ref.clone()
-        if op == "expand":
-            ref.bgmv_expand(x, w, out_ref, indices, True)
-            cpu_lora_ops.bgmv_expand(x, w, out_new, indices, True)
+    x, w, out = _op_inputs(op, indices, slots)
+    ops = cpu_lora_ops.GroupedLoraOps()
+    torch.testing.assert_close(_run_op(ops, op, x, w, out, indices), _run_op(ref, op, x, w, out, indices),
+                               rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("op", ["shrink", "expand"])
+@pytest.mark.parametrize("write", ["copy_", "foreach", "slab"])
+def test_all_slot_ops_follow_a_slot_written_in_place(op, write):
+    """The all-slot GEMM keeps each weight laid out; vLLM's activation (copy_ into a slot), our
+    hot swap (`_foreach_copy_`, or writes into the slab the stacked tensors are views of) write in
+    place, and the next step must use the new weights."""
+    from vllm.lora.ops import torch_ops as ref
+
+    torch.manual_seed(2)
+    indices = torch.tensor([0, 1, 2, 3, 1, 2, 0, 3])
+    x, w, out = _op_inputs(op, indices)
+    slab = torch.zeros(2, *w.shape, dtype=w.dtype)
+    w = slab[1]  # a view, as hot swap leaves vLLM's stacked tensors
+    w.copy_(torch.randn(w.shape).to(w.dtype))
+    ops = cpu_lora_ops.GroupedLoraOps()
+    torch.testing.assert_close(_run_op(ops, op, x, w, out, indices), _run_op(ref, op, x, w, out, indices),
+                               rtol=1e-2, atol=1e-2)
+    new = torch.randn(w[2].shape).to(w.dtype)
+    with torch.no_grad():
+        if write == "copy_":
+            w[2].copy_(new)
+        elif write == "foreach":
+            torch._foreach_copy_([w[2]], [new])
         else:
-            ref.bgmv_expand_slice(x, w, out_ref, indices, 8, width, True)
-            cpu_lora_ops.bgmv_expand_slice(x, w, out_new, indices, 8, width, True)
-    torch.testing.assert_close(out_new, out_ref, rtol=1e-2, atol=1e-2)
+            slab[1, 2].copy_(new)
+    torch.testing.assert_close(_run_op(ops, op, x, w, out, indices), _run_op(ref, op, x, w, out, indices),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_a_slot_holding_nan_spoils_no_other_slots_tokens():
+    """Expand multiplies zeros by the other slots' weights: a slot holding Inf or NaN must not
+    reach another slot's tokens (0 x Inf is NaN)."""
+    from vllm.lora.ops import torch_ops as ref
+
+    torch.manual_seed(3)
+    indices = torch.tensor([0, 1, 2, 0, 1, 2])
+    x, w, out = _op_inputs("expand", indices)
+    w[3, 0, 5, 2] = float("inf")  # a slot no token of this batch uses
+    ops = cpu_lora_ops.GroupedLoraOps()
+    got = _run_op(ops, "expand", x, w, out, indices)
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got, _run_op(ref, "expand", x, w, out, indices), rtol=1e-2, atol=1e-2)
+
+
+def test_ops_follow_indices_rewritten_in_the_same_buffer():
+    """Which slot each token uses is worked out once per batch and kept while the indices stay
+    the same; vLLM rewrites its index buffers in place each step, so a kept answer must follow."""
+    from vllm.lora.ops import torch_ops as ref
+
+    torch.manual_seed(4)
+    x = torch.randn(10, 64)
+    w = torch.randn(3, 1, 8, 64)
+    ops = cpu_lora_ops.GroupedLoraOps()
+    starts, seq_lens, lora_idx = torch.tensor([0, 3, 8]), torch.tensor([3, 5, 2]), torch.tensor([1, -1, 0])
+    for step in range(4):
+        if step == 1:
+            lora_idx.copy_(torch.tensor([2, 2, 2]))  # one slot now: the single-matmul path
+        if step == 2:
+            seq_lens.copy_(torch.tensor([1, 1, 8]))
+            lora_idx.copy_(torch.tensor([0, 1, 2]))
+        a, b = torch.zeros(10, 8), torch.zeros(10, 8)
+        args = (starts, seq_lens, lora_idx, 3, 8, 10, 1.0)
+        ref.sgmv_shrink(x, w, a, *args)
+        ops.sgmv_shrink(x, w, b, *args)
+        torch.testing.assert_close(a, b)
 
 
 def test_sgmv_ops_explode_per_sequence():
@@ -130,7 +202,7 @@ def test_sgmv_ops_explode_per_sequence():
     a, b = torch.zeros(10, 8), torch.zeros(10, 8)
     args = (torch.tensor([0, 3, 8]), seq_lens, lora_idx, 3, 5, 10, 1.0)
     ref.sgmv_shrink(x, w, a, *args)
-    cpu_lora_ops.sgmv_shrink(x, w, b, *args)
+    cpu_lora_ops.GroupedLoraOps().sgmv_shrink(x, w, b, *args)
     torch.testing.assert_close(a, b)
 
 
@@ -155,8 +227,9 @@ def test_fast_ops_are_installed_into_vllms_cpu_wrapper():
     import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
 
     assert cpu_lora_ops.install_fast_cpu_lora_ops()
-    assert punica_cpu.bgmv_shrink is cpu_lora_ops.bgmv_shrink
-    assert punica_cpu.sgmv_expand_slice is cpu_lora_ops.sgmv_expand_slice
+    for name in compat.PUNICA_OPS:
+        op = getattr(punica_cpu, name)
+        assert isinstance(op.__self__, cpu_lora_ops.GroupedLoraOps) and op.__name__ == name
 
 
 class _ClientWithoutQueues:
