@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..buffer import Group, TrainSample, group_advantages
 from ..generator.types import GenStatus
 from ..config import EnvTask
 from ..league import GameResult, League, Pick
@@ -33,7 +32,7 @@ from .base import Split
 from .episode import EpisodeAborted, EpisodeError, EpisodeSettings, Trajectory, call_env
 from .game import check_game, is_game
 from .match import Kind, Match, MatchRecord, Opponent, SeatPolicy
-from .source import MIN_EPISODES, EnvLoadError, EnvSource, load_object, transcript
+from .source import EnvLoadError, EnvSource, load_object, transcript
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -131,20 +130,7 @@ class GameSource(EnvSource):
             for game in games:
                 if game.outcome is not Outcome.ENV_ERROR:
                     self.league.record(member.version, game.results[self.seat_of(index)])
-        aborted = next((p for p in played if isinstance(p, EpisodeAborted)), None)
-        if aborted is not None:
-            return GroupRollout.failed(aborted.result, episodes=stats, fault=fault)
-        tokens = sum(sum(t.trained) for t in trained)
-        scored = [(t, oldest) for t in trained
-                  if t.outcome is not Outcome.ENV_ERROR and (oldest := t.oldest_version) is not None]
-        if len(scored) < MIN_EPISODES:
-            return GroupRollout.failed(tokens=tokens, episodes=stats, fault=fault)
-        advantages = group_advantages([t.reward for t, _ in scored])
-        samples = [TrainSample(self.adapter, oldest, t.prompt_ids, t.ids, t.logprobs, t.reward, advantage, t.outcome,
-                               trained=t.trained, versions=t.versions)
-                   for (t, oldest), advantage in zip(scored, advantages)]
-        group = Group(self.adapter, min(s.version for s in samples), index, samples, episodes=stats)
-        return GroupRollout(group, tokens=tokens, episodes=stats, fault=fault)
+        return self.group_of(index, played, trained, stats, fault)
 
     async def play_game(self, index: int, split: Split, tokenizer: Tokenizer, settings: EpisodeSettings,
                         generate: Generate, policies: dict[str, SeatPolicy], tag: object, group: object = None,

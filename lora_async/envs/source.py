@@ -186,11 +186,18 @@ class EnvSource:
         broken = next((t for t in episodes if t.outcome is Outcome.ENV_ERROR), None)
         fault = None if broken is None else ("the environment failed (the episode scores 0 and is not trained on; "
                                              f"counted as env_errors): {broken.error}")
+        return self.group_of(index, played, episodes, stats, fault)
+
+    def group_of(self, index: int, played: list, trajectories: list[Trajectory], stats: EpisodeStats,
+                 fault: str | None) -> GroupRollout:
+        """One group's rollout from its trajectories of this adapter: aborted if any episode was
+        (`played` holds the EpisodeAborted), too few scored ones train nothing, else each scored
+        trajectory is a sample with its group advantage."""
         aborted = next((p for p in played if isinstance(p, EpisodeAborted)), None)
         if aborted is not None:
             return GroupRollout.failed(aborted.result, episodes=stats, fault=fault)
-        tokens = sum(sum(t.trained) for t in episodes)
-        scored = [(t, oldest) for t in episodes
+        tokens = sum(sum(t.trained) for t in trajectories)
+        scored = [(t, oldest) for t in trajectories
                   if t.outcome is not Outcome.ENV_ERROR and (oldest := t.oldest_version) is not None]
         if len(scored) < MIN_EPISODES:
             return GroupRollout.failed(tokens=tokens, episodes=stats, fault=fault)
