@@ -153,6 +153,20 @@ def test_all_slot_ops_follow_a_slot_written_in_place(op, write):
                                rtol=1e-2, atol=1e-2)
 
 
+def test_a_freed_weights_layout_is_not_kept():
+    """Hot swap replaces vLLM's stacked tensors once; the layouts of the old ones must go."""
+    import gc
+
+    indices = torch.tensor([0, 1, 2, 3])
+    x, w, out = _op_inputs("expand", indices)
+    ops = cpu_lora_ops.GroupedLoraOps()
+    _run_op(ops, "expand", x, w, out, indices)
+    assert len(ops._laid_out) == 1
+    del w
+    gc.collect()
+    assert ops._laid_out == {}
+
+
 def test_a_slot_holding_nan_spoils_no_other_slots_tokens():
     """Expand multiplies zeros by the other slots' weights: a slot holding Inf or NaN must not
     reach another slot's tokens (0 x Inf is NaN)."""

@@ -56,7 +56,8 @@ async def keep_if_named(run: Run, adapter: AdapterRun, version: AdapterVersion) 
         return  # restored and kept already (a resumed run)
     league = adapter.source.league
     let_go: list[int] = []
-    wanted = key in pinned_versions(run)
+    pins = pinned_versions(run)
+    wanted = key in pins
     # due; or a pool left empty (its kept versions could not be registered again on resume)
     if (league is not None and (league.due(version.version) or not league.members)
             and version.version not in league.kept_versions()):
@@ -69,7 +70,6 @@ async def keep_if_named(run: Run, adapter: AdapterRun, version: AdapterVersion) 
             run.console.print(f"[yellow]{exc}: held-out games against it are left out[/]")
             return
         run.frozen[key] = version
-    pins = pinned_versions(run)
     for old in let_go:
         if (adapter.name, old) not in pins:
             await asyncio.to_thread(run.generator.let_go, adapter.name, old)
@@ -91,6 +91,8 @@ async def publish_frozen(run: Run, versions: list[AdapterVersion]) -> None:
         run.frozen[(version.adapter, version.version)] = version
     for adapter in run.adapters.values():  # a member not registered again (unreadable, refused) is drawn no more
         league = adapter.source.league
-        for number in league.kept_versions() if league is not None else []:
-            if (adapter.name, number) not in run.frozen and league is not None:
+        if league is None:
+            continue
+        for number in league.kept_versions():
+            if (adapter.name, number) not in run.frozen:
                 league.drop(number)

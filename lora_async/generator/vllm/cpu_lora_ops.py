@@ -85,9 +85,9 @@ class GroupedLoraOps:
 
         if self._plan is not None and self._plan.matches(indices, seq_lens):
             return self._plan
-        tokens = indices if seq_lens is None else torch.repeat_interleave(indices, seq_lens)
-        self._plan = _Plan(indices.clone(), None if seq_lens is None else seq_lens.clone(), tokens.clone(),
-                           torch.unique(tokens).tolist())
+        copy = indices.clone()
+        tokens = copy if seq_lens is None else torch.repeat_interleave(indices, seq_lens)
+        self._plan = _Plan(copy, None if seq_lens is None else seq_lens.clone(), tokens, torch.unique(tokens).tolist())
         return self._plan
 
     def _grouped_matmul(self, inputs: Any, weights: Any, plan: _Plan, dtype: Any, shrink: bool) -> Any:
@@ -123,13 +123,13 @@ class GroupedLoraOps:
         kept = self._laid_out.get(key)
         if kept is not None and kept[0]() is weights and kept[1] == version and kept[2] == dtype:
             return kept[3]
-        self._laid_out = {k: v for k, v in self._laid_out.items() if v[0]() is not None}
         slots, rows, cols = stacked.shape
         laid = stacked.to(dtype).reshape(slots * rows, cols) if shrink else \
             stacked.to(dtype).transpose(1, 2).reshape(slots * cols, rows).contiguous()
         if not bool(torch.isfinite(laid).all()):
             laid = None
-        self._laid_out[key] = (weakref.ref(weights), version, dtype, laid)
+        # a freed weight's entry goes with it (before its id can be another tensor's)
+        self._laid_out[key] = (weakref.ref(weights, lambda _: self._laid_out.pop(key, None)), version, dtype, laid)
         return laid
 
     # ---------------------------------------------------------------- vLLM's ops
